@@ -1,0 +1,3 @@
+from runner.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""Checkpoint core: layout, manifest, atomic writer, verified reader, retention."""

@@ -1,0 +1,161 @@
+"""manifest.json: what a committed checkpoint contains and how to check it.
+
+The manifest is written last; a checkpoint without a valid manifest does not exist. Paths in
+`files` are relative to the checkpoint directory and may never escape it.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from runner.errors import IntegrityError, SchemaError
+
+SCHEMA_VERSION = "2"
+SUPPORTED_SCHEMAS = ("1", "2")
+
+FORMAT_TORCH = "torch-state"  # one state.pt loadable with torch.load(weights_only=True)
+FORMAT_SHARDED = "torch-sharded"  # index.json + N shard files
+FORMAT_SEED_BIN = "seed-bin"  # step_NNNNNN.bin from the seed format
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FileEntry:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    schema: str = SCHEMA_VERSION
+    step: int
+    samples_seen: int
+    world_size: int = 1
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    created_at: str = field(default_factory=lambda: utc_now_iso())
+    run_id: str
+    writer: str
+    format: str
+    fingerprint: str
+    files: list[FileEntry] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, source: str = "manifest.json") -> Manifest:
+        """Parse, migrate to the current schema and validate. Raises IntegrityError/SchemaError."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise IntegrityError(
+                f"{source}: not valid JSON ({exc}); the checkpoint is corrupt"
+            ) from exc
+        if not isinstance(data, dict):
+            raise IntegrityError(f"{source}: expected a JSON object")
+        data = migrate(data, source=source)
+        try:
+            files = [FileEntry(**f) for f in data.pop("files")]
+            manifest = cls(files=files, **data)
+        except (TypeError, KeyError) as exc:
+            raise IntegrityError(f"{source}: missing or unknown field ({exc})") from exc
+        manifest.validate(source=source)
+        return manifest
+
+    def validate(self, *, source: str = "manifest.json") -> None:
+        if self.schema != SCHEMA_VERSION:
+            raise SchemaError(f"{source}: schema {self.schema!r} is not {SCHEMA_VERSION!r}")
+        for name in ("step", "samples_seen", "world_size", "epoch", "batch_in_epoch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise IntegrityError(
+                    f"{source}: {name} must be a non-negative integer, got {value!r}"
+                )
+        if self.world_size < 1:
+            raise IntegrityError(f"{source}: world_size must be >= 1")
+        if not self.files:
+            raise IntegrityError(f"{source}: lists no files")
+        seen: set[str] = set()
+        for entry in self.files:
+            check_relative_path(entry.path, source=source)
+            if entry.path in seen:
+                raise IntegrityError(f"{source}: file {entry.path!r} listed twice")
+            seen.add(entry.path)
+            if not isinstance(entry.size, int) or entry.size < 0:
+                raise IntegrityError(f"{source}: bad size for {entry.path!r}")
+            if not isinstance(entry.sha256, str) or not _SHA256.match(entry.sha256):
+                raise IntegrityError(f"{source}: bad sha256 for {entry.path!r}")
+
+
+def check_relative_path(path: str, *, source: str = "manifest.json") -> str:
+    """Refuse absolute paths and paths that resolve outside the checkpoint directory."""
+    if not isinstance(path, str) or not path:
+        raise IntegrityError(f"{source}: empty or non-string file path {path!r}")
+    if (
+        path.startswith(("/", "\\"))
+        or re.match(r"^[A-Za-z]:", path)
+        or "\\" in path
+        or "\0" in path
+    ):
+        raise IntegrityError(
+            f"{source}: file path {path!r} is absolute or malformed; refusing to read it"
+        )
+    normalised = posixpath.normpath(path)
+    if normalised.startswith("..") or normalised == "." or normalised != path:
+        raise IntegrityError(
+            f"{source}: file path {path!r} escapes or is not canonical inside the checkpoint "
+            "directory; refusing to read it"
+        )
+    return normalised
+
+
+def utc_now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def migrate(data: dict[str, Any], *, source: str) -> dict[str, Any]:
+    """Bring a manifest dict from any supported schema to SCHEMA_VERSION."""
+    schema = str(data.get("schema", data.get("version", "")))
+    if schema not in SUPPORTED_SCHEMAS:
+        raise SchemaError(
+            f"{source}: unknown schema version {schema!r} (this runner reads "
+            f"{', '.join(SUPPORTED_SCHEMAS)}); upgrade spot-runner to read it"
+        )
+    if schema == "1":
+        data = _migrate_v1_to_v2(data)
+    return data
+
+
+def _migrate_v1_to_v2(v1: dict[str, Any]) -> dict[str, Any]:
+    """v1 (first layout): `version: 1`, `files` as a {path: {size, sha256}} map, no world size,
+    no samples_seen, no run identity. v2 adds them; samples_seen is recovered from the v1
+    `batch_size` (samples = step * batch_size * world_size, exact for fixed-size batches)."""
+    data = dict(v1)
+    data.pop("version", None)
+    data["schema"] = "2"
+    files = data.get("files", {})
+    if isinstance(files, dict):
+        data["files"] = [{"path": p, **meta} for p, meta in sorted(files.items())]
+    batch_size = int(data.pop("batch_size", 0))
+    data.setdefault("world_size", 1)
+    data.setdefault("samples_seen", int(data.get("step", 0)) * batch_size * data["world_size"])
+    data.setdefault("run_id", "migrated-v1")
+    data.setdefault("writer", "migrated-v1")
+    data.setdefault("fingerprint", "")
+    data.setdefault("extra", {})
+    data["extra"] = {**data["extra"], "migrated_from": "1"}
+    return data

@@ -1,0 +1,1 @@
+"""Command-line interface (click). Commands live in their own modules, loaded lazily."""

@@ -1,0 +1,70 @@
+"""`runner` entry point: a lazy click group and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any
+
+import click
+
+from runner import __version__
+from runner.errors import EXIT_FAILURE, EXIT_USAGE, RunnerError
+
+# name -> "module:attribute"; importing lazily keeps `runner --help` fast (no torch import).
+COMMANDS: dict[str, str] = {
+    "demo": "runner.cli.demo_cmd:demo",
+    "drill": "runner.cli.demo_cmd:drill",
+    "run": "runner.cli.run_cmd:run",
+    "ls": "runner.cli.checkpoint_cmds:ls",
+    "verify": "runner.cli.checkpoint_cmds:verify",
+    "inspect": "runner.cli.checkpoint_cmds:inspect",
+    "convert": "runner.cli.checkpoint_cmds:convert",
+    "fork": "runner.cli.checkpoint_cmds:fork",
+    "prune": "runner.cli.checkpoint_cmds:prune",
+    "pivot": "runner.cli.sidecar_cmds:pivot",
+    "push": "runner.cli.transfer_cmds:push",
+    "pull": "runner.cli.transfer_cmds:pull",
+    "status": "runner.cli.status_cmd:status",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        command = getattr(importlib.import_module(module_name), attr)
+        assert isinstance(command, click.Command)  # programming error, not input
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="spot-runner")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def cli(verbose: int) -> None:
+    """Run training on spot / preemptible machines without losing work."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("runner").setLevel(min(level, logging.INFO))
+
+
+def main(argv: list[str] | None = None) -> Any:
+    try:
+        return cli.main(args=argv, prog_name="runner", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(EXIT_FAILURE)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(EXIT_USAGE if exc.exit_code == 2 else exc.exit_code)
+    except RunnerError as exc:
+        click.echo(f"runner: error: {exc}", err=True)
+        sys.exit(exc.exit_code)

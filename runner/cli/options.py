@@ -1,0 +1,120 @@
+"""Click options defined once and shared by every command that takes them.
+
+Every option is also read from `RUNNER_<OPTION>` (DESIGN.md, CLI)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _opt(*names: str, env: str, **kwargs: Any) -> Callable[[F], F]:
+    return click.option(*names, envvar=env, show_envvar=True, show_default=True, **kwargs)
+
+
+run_dir = _opt(
+    "--run-dir",
+    env="RUNNER_RUN_DIR",
+    type=click.Path(file_okay=False),
+    default="runs/demo",
+    help="Local run directory (checkpoints/, loss.jsonl).",
+)
+mirror = _opt(
+    "--mirror",
+    env="RUNNER_MIRROR",
+    default=None,
+    help="Mirror checkpoints to s3://bucket/prefix or file:///abs/path.",
+)
+steps = _opt(
+    "--steps", env="RUNNER_STEPS", type=int, default=None, help="Total optimizer steps of the run."
+)
+ckpt_every = _opt(
+    "--ckpt-every",
+    env="RUNNER_CKPT_EVERY",
+    type=int,
+    default=100,
+    help="Checkpoint every N steps (0 disables).",
+)
+ckpt_every_seconds = _opt(
+    "--ckpt-every-seconds",
+    env="RUNNER_CKPT_EVERY_SECONDS",
+    type=float,
+    default=None,
+    help="Also checkpoint every T seconds, whichever first.",
+)
+keep = _opt(
+    "--keep",
+    env="RUNNER_KEEP",
+    type=int,
+    default=3,
+    help="Checkpoints kept locally and remotely (>= 2).",
+)
+grace_seconds = _opt(
+    "--grace-seconds",
+    env="RUNNER_GRACE_SECONDS",
+    type=float,
+    default=110.0,
+    help="Budget from SIGTERM to exit for the final checkpoint and upload.",
+)
+metrics_port = _opt(
+    "--metrics-port",
+    env="RUNNER_METRICS_PORT",
+    type=int,
+    default=0,
+    help="Serve /metrics and /healthz on this port (0 disables).",
+)
+notices = _opt(
+    "--notices",
+    env="RUNNER_NOTICES",
+    default="off",
+    type=click.Choice(["off", "auto", "aws", "gcp", "azure"]),
+    help="Poll a cloud's preemption notice endpoint.",
+)
+notice_poll_seconds = _opt(
+    "--notice-poll-seconds",
+    env="RUNNER_NOTICE_POLL_SECONDS",
+    type=float,
+    default=5.0,
+    help="Interval between preemption notice polls.",
+)
+notice_endpoint = _opt(
+    "--notice-endpoint",
+    env="RUNNER_NOTICE_ENDPOINT",
+    default=None,
+    help="Override the metadata server base URL.",
+)
+max_restarts = _opt(
+    "--max-restarts",
+    env="RUNNER_MAX_RESTARTS",
+    type=int,
+    default=3,
+    help="Crashes restarted with backoff before giving up.",
+)
+seed = _opt("--seed", env="RUNNER_SEED", type=int, default=0, help="Random seed of the run.")
+json_output = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def run_options(func: F) -> F:
+    """The options shared by `runner demo` and `runner run`."""
+    for decorator in reversed(
+        [
+            run_dir,
+            mirror,
+            steps,
+            ckpt_every,
+            ckpt_every_seconds,
+            keep,
+            grace_seconds,
+            metrics_port,
+            notices,
+            notice_poll_seconds,
+            notice_endpoint,
+            seed,
+        ]
+    ):
+        func = decorator(func)
+    return func

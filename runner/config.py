@@ -1,0 +1,79 @@
+"""Everything a user can set, in one object built by the CLI. Nothing else reads the
+environment: the CLI maps `--option` and `RUNNER_<OPTION>` onto these fields."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.errors import ConfigError
+
+NOTICE_SOURCES = ("off", "auto", "aws", "gcp", "azure")
+
+
+def default_writer_id() -> str:
+    """Identifies this process/pod/attempt in manifests (unique per process start)."""
+    pod = os.environ.get("HOSTNAME") or socket.gethostname()
+    return f"{pod}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    run_dir: Path
+    """Local run directory (checkpoints/, loss.jsonl, sidecars)."""
+    mirror: str | None = None
+    """`s3://bucket/prefix` or `file:///abs/path`; None keeps checkpoints local only."""
+    steps: int | None = None
+    """Total optimizer steps of the run (None: the trainer decides)."""
+    ckpt_every: int | None = 100
+    """Save every N steps (None or 0 disables the step cadence)."""
+    ckpt_every_seconds: float | None = None
+    """Save every T seconds of wall clock, whichever of steps/seconds comes first."""
+    keep: int = 3
+    """Committed checkpoints kept locally and in the mirror (>= 2: the newest may be in flight)."""
+    grace_seconds: float = 110.0
+    """Time budget from SIGTERM to exit (final step + save + upload)."""
+    metrics_port: int = 0
+    """Port for /metrics and /healthz; 0 disables the server."""
+    metrics_host: str = "0.0.0.0"
+    notices: str = "off"
+    """Cloud preemption notice source: off, auto, aws, gcp, azure."""
+    notice_poll_seconds: float = 5.0
+    notice_endpoint: str | None = None
+    """Override the metadata endpoint base URL (tests, proxies)."""
+    max_restarts: int = 3
+    """Supervisor: crashes restarted with backoff before giving up."""
+    seed: int = 0
+    device: str = "auto"
+    writer_id: str = field(default_factory=default_writer_id)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        if self.keep < 2:
+            raise ConfigError(
+                ff"--keep must be >= 2 (got {self.keep}): "
+                "the newest checkpoint may still be in flight"
+            )
+        if self.steps is not None and self.steps < 0:
+            raise ConfigError(f"--steps must be >= 0 (got {self.steps})")
+        if self.ckpt_every is not None and self.ckpt_every < 0:
+            raise ConfigError(f"--ckpt-every must be >= 0 (got {self.ckpt_every})")
+        if self.ckpt_every_seconds is not None and self.ckpt_every_seconds <= 0:
+            raise ConfigError("--ckpt-every-seconds must be > 0")
+        if self.grace_seconds <= 0:
+            raise ConfigError("--grace-seconds must be > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535 (got {self.metrics_port})")
+        if self.notices not in NOTICE_SOURCES:
+            raise ConfigError(f"--notices must be one of {', '.join(NOTICE_SOURCES)}")
+        if self.notice_poll_seconds <= 0:
+            raise ConfigError("--notice-poll-seconds must be > 0")
+        if self.max_restarts < 0:
+            raise ConfigError("--max-restarts must be >= 0")
+        if self.mirror is not None and not self.mirror.startswith(("s3://", "file:///")):
+            raise ConfigError(
+                f"--mirror {self.mirror!r}: use s3://bucket/prefix or file:///absolute/path"
+            )

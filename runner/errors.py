@@ -1,0 +1,66 @@
+"""The project's error hierarchy and the one place errors map to exit codes.
+
+Callers decide what to do by type, never by parsing messages. Every message says what is
+wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTEGRITY = 3
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: final checkpoint committed, retry elsewhere
+
+
+class RunnerError(Exception):
+    """Root of every error the runner raises on purpose."""
+
+    exit_code = EXIT_FAILURE
+
+
+class ConfigError(RunnerError):
+    """Bad option, bad URI, inconsistent settings: the user must change the command."""
+
+    exit_code = EXIT_USAGE
+
+
+class IntegrityError(RunnerError):
+    """A checkpoint is corrupt, truncated, tampered with or unreadable."""
+
+    exit_code = EXIT_INTEGRITY
+
+
+class NoVerifiedCheckpointError(IntegrityError):
+    """A checkpoint was required but none verified."""
+
+
+class SchemaError(IntegrityError):
+    """A manifest or payload has a schema version this runner cannot read."""
+
+
+class StorageError(RunnerError):
+    """Object storage or filesystem failure."""
+
+
+class StorageTransientError(StorageError):
+    """Worth retrying: connection reset, timeout, 500, 503 SlowDown."""
+
+
+class StoragePermanentError(StorageError):
+    """Retrying will not help: access denied, no such bucket, invalid key."""
+
+
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """The object or file does not exist."""
+
+
+class ChildFailedError(RunnerError):
+    """A supervised trainer kept crashing past the restart limit."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """Map any exception to the process exit code (DESIGN.md, 'Exit codes')."""
+    if isinstance(exc, RunnerError):
+        return exc.exit_code
+    return EXIT_FAILURE

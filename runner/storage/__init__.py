@@ -1,0 +1,38 @@
+"""Storage backends behind one protocol; `open_storage` picks one from a URI or path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+from runner.errors import ConfigError
+from runner.storage.base import ObjectInfo, ProgressCallback, Storage
+
+__all__ = ["ObjectInfo", "ProgressCallback", "Storage", "is_remote_uri", "open_storage"]
+
+
+def is_remote_uri(location: str) -> bool:
+    return location.startswith("s3://")
+
+
+def open_storage(location: str | Path) -> Storage:
+    """`s3://bucket/prefix`, `file:///abs/path`, or a plain local path (a run dir)."""
+    text = str(location)
+    if text.startswith("s3://"):
+        from runner.storage.s3 import S3Storage  # boto3 is imported only when needed
+
+        return S3Storage.from_uri(text)
+    if text.startswith("file://"):
+        parsed = urlparse(text)
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"{text}: file:// URIs need an absolute path (file:///abs/path)")
+        from runner.storage.file import FileStorage
+
+        return FileStorage(Path(parsed.path))
+    if "://" in text:
+        raise ConfigError(
+            f"{text}: unsupported location; use s3://bucket/prefix, file:///path or a path"
+        )
+    from runner.storage.file import FileStorage
+
+    return FileStorage(Path(text))

@@ -1,0 +1,65 @@
+"""The storage protocol every backend implements (file:// and s3://).
+
+Keys are '/'-separated, relative to the location root (a run dir or a bucket prefix), and
+never start with '/'. Backends translate their own failures into StorageNotFoundError,
+StorageTransientError (retry) or StoragePermanentError (do not retry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+# Called with the number of bytes moved since the previous call.
+ProgressCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class Storage(Protocol):
+    @property
+    def uri(self) -> str:
+        """Where this storage points, for messages (never contains secrets)."""
+        ...
+
+    def put_file(
+        self,
+        key: str,
+        src: Path,
+        *,
+        sha256: str | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        """Upload a local file. When sha256 is given the backend verifies it (server-side
+        checksum where supported) and raises IntegrityError on mismatch."""
+        ...
+
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
+        """Download to dst atomically (temp file in dst's directory, fsync, rename)."""
+        ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def open_read(self, key: str) -> BinaryIO:
+        """A streaming reader, for verifying without a local copy."""
+        ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with prefix (recursive), in no particular order."""
+        ...
+
+    def head(self, key: str) -> ObjectInfo:
+        """Size of one object; StorageNotFoundError if absent."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove one object; absent objects are not an error."""
+        ...

@@ -1,0 +1,118 @@
+"""file:// backend: a local directory used as a bucket (the embedded default)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from runner.checkpoint.atomic import HashingFileWriter, read_chunks
+from runner.checkpoint.layout import TMP_PREFIX
+from runner.errors import IntegrityError, StorageError, StorageNotFoundError
+from runner.storage.base import ObjectInfo, ProgressCallback
+
+
+class FileStorage:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).absolute()
+
+    @property
+    def uri(self) -> str:
+        return f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        if (
+            not key
+            or key.startswith("/")
+            or any(part in ("", ".", "..") for part in key.split("/"))
+        ):
+            raise StorageError(f"invalid key {key!r} for {self.uri}")
+        return self.root / key
+
+    def put_file(
+        self,
+        key: str,
+        src: Path,
+        *,
+        sha256: str | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        dst = self._path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with open(src, "rb") as f, HashingFileWriter(dst) as writer:
+            for chunk in read_chunks(f):
+                writer.write(chunk)
+                if progress:
+                    progress(len(chunk))
+            if sha256 is not None and writer.digest_so_far() != sha256:
+                raise IntegrityError(
+                    f"{src} changed while copying to {self.uri}/{key}: sha256 mismatch"
+                )
+            writer.commit()
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dst = self._path(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with HashingFileWriter(dst) as writer:
+            writer.write(data)
+            writer.commit()
+
+    def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
+        with self.open_read(key) as f, HashingFileWriter(dst) as writer:
+            for chunk in read_chunks(f):
+                writer.write(chunk)
+                if progress:
+                    progress(len(chunk))
+            writer.commit()
+
+    def get_bytes(self, key: str) -> bytes:
+        with self.open_read(key) as f:
+            return f.read()
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self.root
+        for dirpath, dirnames, filenames in os.walk(base):
+            # in-progress writes are invisible to readers
+            dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
+            for name in filenames:
+                if name.startswith(TMP_PREFIX):
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(base).as_posix()
+                if key.startswith(prefix):
+                    try:
+                        yield ObjectInfo(key=key, size=full.stat().st_size)
+                    except FileNotFoundError:
+                        continue
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+        return ObjectInfo(key=key, size=st.st_size)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)
+        # drop directories left empty, up to the root
+        parent = path.parent
+        while parent != self.root and parent.is_relative_to(self.root):
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
