@@ -54,7 +54,7 @@ class RunConfig:
         self.run_dir = Path(self.run_dir)
         if self.keep < 2:
             raise ConfigError(
-                ff"--keep must be >= 2 (got {self.keep}): "
+                f"--keep must be >= 2 (got {self.keep}): "
                 "the newest checkpoint may still be in flight"
             )
         if self.steps is not None and self.steps < 0:
