@@ -1,0 +1,9 @@
+"""Shared pytest set-up: every module in tests/fixtures/ is loaded as a plugin."""
+
+from pathlib import Path
+
+pytest_plugins = sorted(
+    f"tests.fixtures.{p.stem}"
+    for p in (Path(__file__).parent / "fixtures").glob("*.py")
+    if p.stem != "__init__"
+)
