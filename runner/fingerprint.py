@@ -1,0 +1,73 @@
+"""One sha256 that names a training state: equal fingerprints mean bit-identical states.
+
+Canonical order (version tag ``spot-runner-fingerprint/1``):
+
+1. the model's ``state_dict()`` entries sorted by name (parameters and persistent buffers);
+2. the optimizer's ``state_dict()["state"]`` sorted by parameter index (the index is the
+   parameter's position in the optimizer's param groups, which is ``model.parameters()`` order
+   for the usual ``AdamW(model.parameters())``), and inside each entry the keys sorted by name
+   (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``).
+
+Each entry contributes a header ``section NUL key NUL dtype NUL shape NUL nbytes NUL`` and then the
+tensor's raw bytes, so two states that differ only in dtype, shape or naming never collide.
+Non-tensor values (a float ``step`` in some optimizers) contribute their type and ``repr``.
+Hyperparameters (``param_groups``: lr, betas, ...) are not tensors of the state and are left
+out: a state converted from the seed ``.bin`` format, which carries none, fingerprints the same.
+
+The digest depends only on values, never on memory addresses or process, so fingerprints can be
+compared across processes, machines and devices (tensors are hashed from their CPU copy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+FINGERPRINT_VERSION = b"spot-runner-fingerprint/1\0"
+
+
+def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
+    """sha256 (hex) of the model and optimizer tensors in canonical order."""
+    return fingerprint_state(
+        model.state_dict(), None if optimizer is None else optimizer.state_dict()
+    )
+
+
+def fingerprint_state(
+    model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any] | None
+) -> str:
+    """Same digest as `fingerprint`, from state dicts (e.g. a checkpoint loaded from disk)."""
+    digest = hashlib.sha256(FINGERPRINT_VERSION)
+    for name in sorted(model_state):
+        _update(digest, "model", name, model_state[name])
+    if optimizer_state is not None:
+        per_param: Mapping[Any, Mapping[str, Any]] = optimizer_state.get("state", {})
+        for index in sorted(per_param, key=_index_key):
+            entry = per_param[index]
+            for key in sorted(entry):
+                _update(digest, "optimizer", f"{index}.{key}", entry[key])
+    return digest.hexdigest()
+
+
+def _index_key(index: Any) -> tuple[int, str]:
+    # torch uses int indices; a state dict rebuilt from JSON may carry them as strings.
+    return (int(index), "") if str(index).isdigit() else (1 << 62, str(index))
+
+
+def _update(digest: Any, section: str, key: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensor = tensor.contiguous()
+        header = f"{section}\0{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0{tensor.nbytes}\0"
+        digest.update(header.encode())
+        if tensor.numel():
+            # A uint8 view of the storage: no copy for a contiguous CPU tensor, any dtype
+            # (bfloat16 included, which numpy cannot represent).
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    else:
+        digest.update(f"{section}\0{key}\0{type(value).__name__}\0{value!r}\0".encode())

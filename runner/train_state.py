@@ -1,0 +1,217 @@
+"""The full training state as one dict that loads with ``torch.load(weights_only=True)``.
+
+Layout (schema "2"; the checkpoint writer stores it as is)::
+
+    {"schema": "2",
+     "model": model.state_dict(),
+     "param_names": [names in model.named_parameters() order],
+     "optimizer": optimizer.state_dict(),          # AdamW: m (exp_avg), v (exp_avg_sq), step
+     "scheduler": scheduler.state_dict() or {},
+     "counters": {"step", "epoch", "batch_in_epoch", "samples_seen", "world_size"},  # ints
+     "rng": runner.rng.capture_rng(),                # python, numpy, torch CPU, every CUDA device
+     "sampler": ResumableSampler.state_dict() or {},
+     "loss_history": [float, ...],                   # loss of steps 1..step
+     "extra": {...}}                                 # caller's plain data
+
+Only tensors, ints, floats, strings, None, lists, tuples and dicts: no pickled objects.
+Restoring returns the `Counters` to continue from; a resume at another world size rescales them
+(see `runner.worldsize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runner import rng
+from runner.errors import ConfigError, IntegrityError, SchemaError
+from runner.sampler import ResumableSampler
+from runner.worldsize import move_scheduler_to_step, position_from_samples_seen, rescale_counters
+
+log = logging.getLogger(__name__)
+
+TRAIN_STATE_SCHEMA = "2"
+COUNTER_FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "world_size")
+_REQUIRED = ("model", "param_names", "optimizer", "counters")
+
+
+@dataclass(kw_only=True)
+class Counters:
+    """Where a run stands. `step` counts completed optimizer updates."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    samples_seen: int = 0
+    world_size: int = 1
+
+    def to_dict(self) -> dict[str, int]:
+        return {name: int(getattr(self, name)) for name in COUNTER_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Counters:
+        try:
+            values = {name: int(data[name]) for name in COUNTER_FIELDS}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"train state: counters are malformed ({exc!r})") from exc
+        if any(v < 0 for v in values.values()) or values["world_size"] < 1:
+            raise IntegrityError(f"train state: counters out of range: {values}")
+        return cls(**values)
+
+
+def capture_train_state(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    counters: Counters,
+    sampler: ResumableSampler | None = None,
+    loss_history: list[float] | None = None,
+    extra: dict[str, Any] | None = None,
+    copy: bool = False,
+) -> dict[str, Any]:
+    """The training state in the documented layout.
+
+    With ``copy=False`` the model and optimizer tensors are the live ones: write them before the
+    next optimizer step. ``copy=True`` snapshots every tensor to CPU memory, so the result can
+    be written by a background thread while training continues.
+    """
+    state: dict[str, Any] = {
+        "schema": TRAIN_STATE_SCHEMA,
+        "model": model.state_dict(),
+        "param_names": [name for name, _ in model.named_parameters()],
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else {},
+        "counters": counters.to_dict(),
+        "rng": rng.capture_rng(),
+        "sampler": sampler.state_dict() if sampler is not None else {},
+        "loss_history": [float(x) for x in (loss_history or [])],
+        "extra": dict(extra or {}),
+    }
+    return _snapshot(state) if copy else state
+
+
+def restore_train_state(
+    state: dict[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    sampler: ResumableSampler | None = None,
+    world_size: int = 1,
+    restore_rng: bool = True,
+) -> Counters:
+    """Load `state` into the live objects and return the counters to continue from.
+
+    Raises SchemaError for an unknown schema, IntegrityError for a malformed state and
+    ConfigError when the state belongs to another model or data order. ``restore_rng=False``
+    exists for the resume audit (`runner drill`), which measures what skipping it costs.
+    """
+    _check_layout(state)
+    _check_param_names(state["param_names"], model)
+    try:
+        model.load_state_dict(state["model"], strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"checkpoint does not fit this model: {exc}; resume with the model that wrote it"
+        ) from exc
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"checkpoint's optimizer state does not fit this optimizer: {exc}"
+        ) from exc
+    if scheduler is not None and state.get("scheduler"):
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        restore_rng_state(state)
+
+    counters, change = rescale_counters(
+        Counters.from_dict(state["counters"]), new_world_size=world_size
+    )
+    if change is not None and scheduler is not None:
+        move_scheduler_to_step(scheduler, step=counters.step)
+    if sampler is not None:
+        counters = _restore_sampler(state.get("sampler") or {}, sampler, counters, world_size)
+    return counters
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore the global RNGs from a captured train state."""
+    if "rng" not in state:
+        raise IntegrityError(
+            "train state has no RNG section; it cannot be resumed bit-exactly "
+            "(written by a tool that does not save RNG state?)"
+        )
+    rng.restore_rng(state["rng"])
+
+
+def _restore_sampler(
+    saved: dict[str, Any], sampler: ResumableSampler, counters: Counters, world_size: int
+) -> Counters:
+    if sampler.world_size != world_size:
+        raise ConfigError(
+            f"sampler is sharded for world_size={sampler.world_size} but the resume is for "
+            f"world_size={world_size}; build both from the same world size"
+        )
+    if saved:
+        sampler.load_state_dict(saved)
+    else:
+        # No saved position (e.g. a state converted from a seed .bin): derive it from the
+        # world-size-independent sample count, assuming one global batch size throughout.
+        epoch, offset = position_from_samples_seen(
+            counters.samples_seen,
+            num_samples=sampler.num_samples,
+            global_batch_size=sampler.global_batch_size,
+        )
+        sampler.seek(epoch=epoch, sample_offset=offset)
+        log.info(
+            "no sampler position in the checkpoint: resuming data at epoch %d, sample %d "
+            "(from samples_seen=%d)",
+            epoch,
+            offset,
+            counters.samples_seen,
+        )
+    return dataclasses.replace(counters, epoch=sampler.epoch, batch_in_epoch=sampler.batch_in_epoch)
+
+
+def _check_layout(state: Any) -> None:
+    if not isinstance(state, dict):
+        raise IntegrityError(f"train state must be a dict, got {type(state).__name__}")
+    schema = state.get("schema")
+    if schema != TRAIN_STATE_SCHEMA:
+        raise SchemaError(
+            f"train state schema {schema!r} is not {TRAIN_STATE_SCHEMA!r}; "
+            "migrate the checkpoint or use the runner version that wrote it"
+        )
+    missing = [key for key in _REQUIRED if key not in state]
+    if missing:
+        raise IntegrityError(f"train state lacks {missing}; the checkpoint is incomplete")
+
+
+def _check_param_names(saved: Any, model: torch.nn.Module) -> None:
+    current = [name for name, _ in model.named_parameters()]
+    if list(saved) != current:
+        only_saved = sorted(set(saved) - set(current))[:5]
+        only_here = sorted(set(current) - set(saved))[:5]
+        raise ConfigError(
+            "checkpoint was written for another model or parameter order "
+            f"(only in checkpoint: {only_saved}, only in this model: {only_here}, "
+            f"{len(saved)} vs {len(current)} parameters); resume with the same model code"
+        )
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    return value
