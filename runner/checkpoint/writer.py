@@ -1,0 +1,331 @@
+"""Commit protocol: a checkpoint becomes visible in one rename, with its manifest written last.
+
+    checkpoints/.tmp-step_NNNNNN-<pid>-<uuid>/   payload files streamed + hashed + fsynced
+    checkpoints/.tmp-step_NNNNNN-.../manifest.json  written last, fsynced, dir fsynced
+    rename -> checkpoints/step_NNNNNN/, parent fsynced
+
+A crash at any instant leaves the previous checkpoints untouched and, at worst, a `.tmp-`
+directory that readers ignore and `cleanup_partial` removes. A writer holds no mutable state
+shared between calls except the set of its own in-flight temp dirs (guarded by a lock), so
+`write_state` can run on a snapshot in a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+import torch
+
+from runner.checkpoint.atomic import (
+    HashingFileWriter,
+    fsync_dir,
+    fsync_file,
+    read_chunks,
+    sha256_file,
+)
+from runner.checkpoint.layout import MANIFEST_NAME, TMP_PREFIX, parse_step_dir, step_dir_name
+from runner.checkpoint.manifest import FORMAT_SHARDED, FORMAT_TORCH, FileEntry, Manifest
+from runner.checkpoint.payload import with_schema
+from runner.checkpoint.reader import STATE_FILE, verify_dir
+from runner.errors import ConfigError, IntegrityError, RunnerError
+
+log = logging.getLogger(__name__)
+
+# A temp dir whose owner is not this process is only removed once it has been idle this long:
+# its pid may belong to another host or container sharing the volume.
+DEFAULT_STALE_SECONDS = 300.0
+
+# Temp dirs being written by any writer in this process: a process-wide fact (two writers in
+# one process must not clean up each other's work), emptied as each write ends.
+_IN_FLIGHT: set[str] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMeta:
+    step: int
+    samples_seen: int
+    world_size: int
+    epoch: int
+    batch_in_epoch: int
+    fingerprint: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommittedCheckpoint:
+    step: int
+    path: Path
+    manifest: Manifest
+
+
+class Staging:
+    """One checkpoint being assembled in its own temp directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.files: list[FileEntry] = []
+
+    @contextmanager
+    def open_file(self, name: str) -> Iterator[HashingFileWriter]:
+        """A hashing writer for one payload file; recorded in the manifest on success."""
+        final = self.path / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with HashingFileWriter(final) as out:
+            yield out
+            out.commit(sync_dir=False)  # the staging dir is fsynced once, before the rename
+        self.files.append(FileEntry(path=name, size=out.size, sha256=out.sha256))
+
+    def write_torch(self, name: str, obj: Any) -> FileEntry:
+        with self.open_file(name) as out:
+            # torch.save only calls write() and flush(): no seek, so it streams one pass
+            torch.save(obj, cast(BinaryIO, out))
+        return self.files[-1]
+
+    def write_bytes(self, name: str, data: bytes) -> FileEntry:
+        with self.open_file(name) as out:
+            out.write(data)
+        return self.files[-1]
+
+    def copy_in(self, name: str, src: Path) -> FileEntry:
+        """Copy a file in, hashing it in the same single read."""
+        with open(src, "rb") as f, self.open_file(name) as out:
+            for chunk in read_chunks(f):
+                out.write(chunk)
+        return self.files[-1]
+
+    def move_in(self, name: str, src: Path) -> FileEntry:
+        """Rename a file in (same filesystem), then hash it in one read and fsync it."""
+        final = self.path / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(src, final)
+        size, sha256 = sha256_file(final)
+        fsync_file(final)
+        self.files.append(FileEntry(path=name, size=size, sha256=sha256))
+        return self.files[-1]
+
+
+class CheckpointWriter:
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        *,
+        run_id: str,
+        writer_id: str,
+        shard_bytes: int | None = None,
+        stale_seconds: float = DEFAULT_STALE_SECONDS,
+    ) -> None:
+        if shard_bytes is not None and shard_bytes <= 0:
+            raise ConfigError(f"shard_bytes must be > 0 (got {shard_bytes})")
+        self.ckpt_dir = Path(ckpt_dir)
+        self.run_id = run_id
+        self.writer_id = writer_id
+        self.shard_bytes = shard_bytes
+        self.stale_seconds = stale_seconds
+
+    # -- public API -------------------------------------------------------------------------
+
+    def write_state(self, state: dict[str, Any], *, meta: CheckpointMeta) -> CommittedCheckpoint:
+        """Save a train-state dict as `state.pt` (or shards past `shard_bytes`) and commit it.
+
+        `state` is only read: callers may pass a snapshot and keep training meanwhile."""
+        from runner.checkpoint import sharded  # keeps this module small
+
+        payload = with_schema(state)
+        with self._staging(meta.step) as stage:
+            if self.shard_bytes is not None and sharded.tensor_bytes(payload) > self.shard_bytes:
+                sharded.write_sharded(stage, payload, shard_bytes=self.shard_bytes)
+                fmt = FORMAT_SHARDED
+            else:
+                stage.write_torch(STATE_FILE, payload)
+                fmt = FORMAT_TORCH
+            return self._commit(stage, meta=meta, format=fmt)
+
+    def adopt_files(
+        self,
+        files: dict[str, Path],
+        *,
+        meta: CheckpointMeta,
+        format: str,
+        copy: bool = False,
+    ) -> CommittedCheckpoint:
+        """Commit existing files (e.g. a seed .bin a trainer wrote) as a checkpoint.
+
+        They are renamed in (or copied when `copy`, e.g. from another filesystem), hashed in
+        one read, and listed in the manifest under the given names."""
+        with self._staging(meta.step) as stage:
+            for name, src in files.items():
+                if copy:
+                    stage.copy_in(name, src)
+                else:
+                    stage.move_in(name, src)
+            return self._commit(stage, meta=meta, format=format)
+
+    def cleanup_partial(self) -> list[Path]:
+        """Remove `.tmp-*` leftovers of crashed writes, never one still being written.
+
+        A temp dir is removed when this process created it and no longer writes it, when its
+        owner pid is gone and it has been idle for `stale_seconds`, or when it has been idle
+        for ten times that (a pid reused by an unrelated process)."""
+        removed: list[Path] = []
+        if not self.ckpt_dir.is_dir():
+            return removed
+        now = time.time()
+        for entry in self.ckpt_dir.iterdir():
+            if not entry.name.startswith(TMP_PREFIX):
+                continue
+            with _IN_FLIGHT_LOCK:
+                if str(entry.absolute()) in _IN_FLIGHT:
+                    continue
+            pid = _owner_pid(entry.name)
+            idle = now - _last_modified(entry)
+            mine = pid == os.getpid()
+            dead = pid is not None and not mine and not _pid_alive(pid)
+            if mine or (dead and idle > self.stale_seconds) or idle > 10 * self.stale_seconds:
+                _remove(entry)
+                removed.append(entry)
+                log.info("removed partial checkpoint leftover %s", entry)
+        return removed
+
+    # -- internals --------------------------------------------------------------------------
+
+    @contextmanager
+    def _staging(self, step: int) -> Iterator[Staging]:
+        name = f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = self.ckpt_dir / name
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(str(path.absolute()))
+        try:
+            path.mkdir()
+            yield Staging(path)
+        finally:
+            if path.exists():  # not committed: an error or a discarded duplicate
+                shutil.rmtree(path, ignore_errors=True)
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.discard(str(path.absolute()))
+
+    def _commit(self, stage: Staging, *, meta: CheckpointMeta, format: str) -> CommittedCheckpoint:
+        manifest = Manifest(
+            step=meta.step,
+            samples_seen=meta.samples_seen,
+            world_size=meta.world_size,
+            epoch=meta.epoch,
+            batch_in_epoch=meta.batch_in_epoch,
+            run_id=self.run_id,
+            writer=self.writer_id,
+            format=format,
+            fingerprint=meta.fingerprint,
+            files=sorted(stage.files, key=lambda f: f.path),
+            extra=dict(meta.extra),
+        )
+        manifest.validate(source=f"{stage.path}/{MANIFEST_NAME}")
+        with HashingFileWriter(stage.path / MANIFEST_NAME, parallel_hash=False) as out:
+            out.write(manifest.to_json())
+            out.commit(sync_dir=False)
+        fsync_dir(stage.path)
+        final = self.ckpt_dir / step_dir_name(meta.step)
+        self._publish(stage.path, final, manifest)
+        return CommittedCheckpoint(step=meta.step, path=final, manifest=manifest)
+
+    def _publish(self, staged: Path, final: Path, manifest: Manifest) -> None:
+        """Rename the staged dir to its final name, handling an existing checkpoint there.
+
+        Same fingerprint and it verifies: keep the old one, discard ours. Otherwise the old
+        one is renamed aside first (rename cannot replace a non-empty dir), ours renamed in,
+        then the old one deleted: a good checkpoint is never deleted before its successor is
+        in place."""
+        for _ in range(3):  # a concurrent writer of the same step may win a race
+            try:
+                os.rename(staged, final)
+            except OSError:
+                if not final.exists():
+                    raise
+            else:
+                fsync_dir(self.ckpt_dir)
+                return
+            if _same_and_valid(final, manifest):
+                log.info("%s already holds this state; discarding the duplicate", final)
+                return
+            aside = final.with_name(
+                f"{TMP_PREFIX}{final.name}-{os.getpid()}-replaced-{uuid.uuid4().hex[:8]}"
+            )
+            try:
+                os.rename(final, aside)
+            except FileNotFoundError:
+                continue
+            os.rename(staged, final)
+            fsync_dir(self.ckpt_dir)
+            log.warning("replaced %s (different or corrupt state) with a new save", final)
+            shutil.rmtree(aside, ignore_errors=True)
+            return
+        raise RunnerError(f"could not commit {final}: another writer keeps replacing it")
+
+
+def _same_and_valid(existing: Path, manifest: Manifest) -> bool:
+    try:
+        old = verify_dir(existing)
+    except IntegrityError:
+        return False
+    return bool(old.fingerprint) and old.fingerprint == manifest.fingerprint
+
+
+def _owner_pid(name: str) -> int | None:
+    """`.tmp-<target>-<pid>-<uuid>`: the pid is the first all-digit field after the target."""
+    parts = name[len(TMP_PREFIX) :].split("-")
+    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _last_modified(path: Path) -> float:
+    """Newest mtime of the entry and, for a dir, its direct children (a file growing inside a
+    dir does not touch the dir's own mtime)."""
+    try:
+        newest = path.stat().st_mtime
+        if path.is_dir():
+            for child in path.iterdir():
+                try:
+                    newest = max(newest, child.stat().st_mtime)
+                except FileNotFoundError:
+                    continue
+    except FileNotFoundError:
+        return time.time()
+    return newest
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def committed_steps(ckpt_dir: Path) -> list[int]:
+    """Steps of local directories that look committed (named step_N with a manifest)."""
+    if not ckpt_dir.is_dir():
+        return []
+    steps = []
+    for entry in ckpt_dir.iterdir():
+        step = parse_step_dir(entry.name)
+        if step is not None and (entry / MANIFEST_NAME).is_file():
+            steps.append(step)
+    return sorted(steps)
