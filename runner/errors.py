@@ -55,6 +55,10 @@ class StorageNotFoundError(StorageError, FileNotFoundError):
     """The object or file does not exist."""
 
 
+class StorageConflictError(StorageError):
+    """A create-only write found the object already there (another writer got there first)."""
+
+
 class ChildFailedError(RunnerError):
     """A supervised trainer kept crashing past the restart limit."""
 

@@ -40,7 +40,10 @@ class Storage(Protocol):
         checksum where supported) and raises IntegrityError on mismatch."""
         ...
 
-    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Write a small object. With if_absent, raise StorageConflictError instead of
+        replacing an existing object (atomic where the backend allows)."""
+        ...
 
     def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
         """Download to dst atomically (temp file in dst's directory, fsync, rename)."""

@@ -8,9 +8,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from runner.checkpoint.atomic import HashingFileWriter, read_chunks
+from runner.checkpoint.atomic import HashingFileWriter, fsync_dir, read_chunks, temp_path_for
 from runner.checkpoint.layout import TMP_PREFIX
-from runner.errors import IntegrityError, StorageError, StorageNotFoundError
+from runner.errors import (
+    IntegrityError,
+    StorageConflictError,
+    StorageError,
+    StorageNotFoundError,
+)
 from runner.storage.base import ObjectInfo, ProgressCallback
 
 
@@ -52,12 +57,28 @@ class FileStorage:
                 )
             writer.commit()
 
-    def put_bytes(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         dst = self._path(key)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        with HashingFileWriter(dst) as writer:
-            writer.write(data)
-            writer.commit()
+        if not if_absent:
+            with HashingFileWriter(dst) as writer:
+                writer.write(data)
+                writer.commit()
+            return
+        # create-only: link() refuses an existing name atomically, unlike rename()
+        temp = temp_path_for(dst)
+        try:
+            with open(temp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(temp, dst)
+            except FileExistsError as exc:
+                raise StorageConflictError(f"{self.uri}/{key} already exists") from exc
+            fsync_dir(dst.parent)
+        finally:
+            temp.unlink(missing_ok=True)
 
     def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
         with self.open_read(key) as f, HashingFileWriter(dst) as writer:

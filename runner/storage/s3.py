@@ -1,0 +1,474 @@
+"""s3:// backend: any S3-compatible store through boto3 and s3transfer.
+
+Configuration comes only from the standard AWS chain (environment, shared config/profile,
+instance role, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`); a custom endpoint switches to
+path-style addressing, which MinIO, SeaweedFS and most self-hosted stores need.
+
+Integrity of an upload: before sending, one read of the local file computes its sha256 (which
+must equal the manifest's) and the SHA-256 of every multipart part in the same pass. The upload
+asks the server to check SHA-256 per request (`ChecksumAlgorithm=SHA256`); afterwards a HEAD
+checks the size and compares the server's checksum (the full digest, or for multipart the
+composite digest of the part digests) with the local one. Stores that do not return checksums
+get a size check only; the manifest's sha256 is checked again on every download.
+
+Retries happen on two levels: botocore retries a single request a few times (so one dropped
+part does not restart a 1 GB file), and the whole operation is retried with exponential backoff
+and jitter (tenacity) on StorageTransientError. Permanent errors (403, NoSuchBucket, bad keys)
+are never retried. A failed multipart upload is aborted by s3transfer; if that abort itself
+fails, a sweep aborts the key's uploads started by this call.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar, cast
+from urllib.parse import urlparse
+
+import boto3
+from botocore.config import Config
+from s3transfer.manager import TransferConfig, TransferManager
+from s3transfer.subscribers import BaseSubscriber
+from s3transfer.utils import ChunksizeAdjuster
+
+from runner.checkpoint.atomic import CHUNK, fsync_dir, temp_path_for
+from runner.errors import (
+    ConfigError,
+    IntegrityError,
+    StorageConflictError,
+    StorageError,
+    StorageTransientError,
+)
+from runner.storage.base import ObjectInfo, ProgressCallback
+from runner.storage.retry import RetryPolicy
+from runner.storage.s3_errors import classify
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransferSettings:
+    """How large objects are split and how many parts move at once."""
+
+    part_size: int = 32 * MiB
+    multipart_threshold: int = 32 * MiB
+    concurrency: int = 8
+    request_attempts: int = 3
+    """Tries of one HTTP request inside botocore (a dropped part is resent alone)."""
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.part_size < 5 * MiB:
+            raise ConfigError("S3 part size must be >= 5 MiB (the S3 minimum)")
+        if self.concurrency < 1 or self.request_attempts < 1:
+            raise ConfigError("S3 concurrency and request attempts must be >= 1")
+
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig(
+            multipart_threshold=self.multipart_threshold,
+            multipart_chunksize=self.part_size,
+            max_request_concurrency=self.concurrency,
+        )
+
+
+class _Progress(BaseSubscriber):
+    def __init__(self, callback: ProgressCallback) -> None:
+        self._callback = callback
+
+    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+        self._callback(bytes_transferred)
+
+
+def _is_aws_endpoint(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """(bucket, prefix) of `s3://bucket/prefix`; the prefix has no leading/trailing '/'."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ConfigError(f"{uri!r}: expected s3://bucket/prefix")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+class S3Storage:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        session: boto3.session.Session | None = None,
+        settings: TransferSettings | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if not bucket:
+            raise ConfigError("S3 location needs a bucket: s3://bucket/prefix")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.settings = settings or TransferSettings()
+        self.retry = retry or RetryPolicy()
+        self._client = self._make_client(session or boto3.session.Session())
+        self.endpoint: str = self._client.meta.endpoint_url
+        # None until the first verified upload tells whether the store returns checksums
+        self._server_checksums: bool | None = None
+        self._conditional_puts = True
+
+    @classmethod
+    def from_uri(cls, uri: str, **kwargs: Any) -> S3Storage:
+        bucket, prefix = parse_s3_uri(uri)
+        return cls(bucket, prefix, **kwargs)
+
+    def _make_client(self, session: boto3.session.Session) -> Any:
+        s = self.settings
+        config = Config(
+            retries={"mode": "standard", "max_attempts": s.request_attempts},
+            connect_timeout=s.connect_timeout_s,
+            read_timeout=s.read_timeout_s,
+            max_pool_connections=max(10, 2 * s.concurrency),
+        )
+        client = session.client("s3", config=config)
+        if not _is_aws_endpoint(client.meta.endpoint_url):
+            # Self-hosted stores rarely resolve bucket.host names.
+            path_style = config.merge(Config(s3={"addressing_style": "path"}))
+            client = session.client("s3", config=path_style)
+        return client
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.uri} at {self.endpoint})"
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        if (
+            not key
+            or key.startswith("/")
+            or any(part in ("", ".", "..") for part in key.split("/"))
+        ):
+            raise StorageError(f"invalid key {key!r} for {self.uri}")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, key: str, func: Callable[[], T]) -> T:
+        """One operation with error classification and whole-operation retries."""
+
+        def attempt() -> T:
+            try:
+                return func()
+            except Exception as exc:  # classified below; unknown errors stay StorageError
+                raise classify(
+                    exc, bucket=self.bucket, key=self._full_or_raw(key), endpoint=self.endpoint
+                ) from exc
+
+        return self.retry.call(f"{what} {self.uri}/{key}", attempt)
+
+    def _full_or_raw(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix and key else key or self.prefix
+
+    # -- upload --------------------------------------------------------------------------
+
+    def _expected_checksum(self, src: Path, *, size: int, sha256: str) -> str:
+        """Check the file still has the manifest's sha256 and return the SHA-256 checksum
+        the server should report: the full digest for one PUT, the composite of part
+        digests ("<b64>-<parts>") for a multipart upload. One read of the file."""
+        multipart = size >= self.settings.multipart_threshold
+        part_size = ChunksizeAdjuster().adjust_chunksize(self.settings.part_size, size)
+        full = hashlib.sha256()
+        parts: list[bytes] = []
+        with open(src, "rb") as f:
+            if multipart:
+                while True:
+                    part = hashlib.sha256()
+                    remaining = part_size
+                    while remaining:
+                        chunk = f.read(min(CHUNK, remaining))
+                        if not chunk:
+                            break
+                        full.update(chunk)
+                        part.update(chunk)
+                        remaining -= len(chunk)
+                    if remaining == part_size:
+                        break
+                    parts.append(part.digest())
+            else:
+                while chunk := f.read(CHUNK):
+                    full.update(chunk)
+        if full.hexdigest() != sha256:
+            raise IntegrityError(
+                f"{src} no longer matches its manifest (sha256 {full.hexdigest()[:12]}... "
+                f"!= {sha256[:12]}...); not uploading a corrupt file"
+            )
+        if not multipart:
+            return base64.b64encode(full.digest()).decode()
+        composite = hashlib.sha256(b"".join(parts)).digest()
+        return f"{base64.b64encode(composite).decode()}-{len(parts)}"
+
+    def put_file(
+        self,
+        key: str,
+        src: Path,
+        *,
+        sha256: str | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        full_key = self._full(key)
+        size = Path(src).stat().st_size
+        expected = self._expected_checksum(src, size=size, sha256=sha256) if sha256 else None
+
+        def upload() -> None:
+            started = datetime.now(UTC)
+            subscribers = [_Progress(progress)] if progress else []
+            try:
+                with TransferManager(
+                    self._client, config=self.settings.transfer_config()
+                ) as manager:
+                    future = manager.upload(
+                        str(src),
+                        self.bucket,
+                        full_key,
+                        extra_args={"ChecksumAlgorithm": "SHA256"},
+                        subscribers=subscribers,
+                    )
+                    future.result()
+            except BaseException:
+                if size >= self.settings.multipart_threshold:
+                    self._abort_multipart(full_key, since=started)
+                raise
+            self._verify_upload(key, size=size, expected=expected)
+
+        self._call("upload", key, upload)
+
+    def _verify_upload(self, key: str, *, size: int, expected: str | None) -> None:
+        head = self._client.head_object(
+            Bucket=self.bucket, Key=self._full(key), ChecksumMode="ENABLED"
+        )
+        if head["ContentLength"] != size:
+            raise StorageTransientError(
+                f"{self.uri}/{key}: stored size {head['ContentLength']} != {size}; re-uploading"
+            )
+        if expected is None:
+            return
+        reported = head.get("ChecksumSHA256")
+        if reported is None:
+            if self._server_checksums is not False:
+                log.info(
+                    "%s does not report SHA-256 checksums: uploads are checked by size, and "
+                    "the manifest's sha256 is verified on download",
+                    self.endpoint,
+                )
+            self._server_checksums = False
+            return
+        self._server_checksums = True
+        if reported != expected:
+            raise StorageTransientError(
+                f"{self.uri}/{key}: server checksum {reported} != local {expected}; re-uploading"
+            )
+
+    def _abort_multipart(self, full_key: str, *, since: datetime) -> None:
+        """Abort this key's multipart uploads started by the failed call (best effort: the
+        store's lifecycle rule for incomplete uploads is the backstop)."""
+        try:
+            listing = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=full_key)
+            for upload in listing.get("Uploads", []):
+                initiated = upload.get("Initiated")
+                if upload.get("Key") != full_key:
+                    continue
+                if isinstance(initiated, datetime) and initiated < since.replace(microsecond=0):
+                    continue
+                self._client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=full_key, UploadId=upload["UploadId"]
+                )
+                log.info("aborted incomplete multipart upload of s3://%s/%s", self.bucket, full_key)
+        except Exception as exc:  # the original upload error matters more than this one
+            log.warning(
+                "could not abort incomplete multipart uploads of s3://%s/%s: %s",
+                self.bucket,
+                full_key,
+                exc,
+            )
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Single PUT; the server checks the body's SHA-256. With if_absent the write fails
+        with StorageConflictError when the key exists (If-None-Match: *, atomic on the
+        server); stores without conditional writes fall back to a check-then-put."""
+        full_key = self._full(key)
+        checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+        def put() -> None:
+            args: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": full_key,
+                "Body": data,
+                "ChecksumSHA256": checksum,
+            }
+            if if_absent and self._conditional_puts:
+                args["IfNoneMatch"] = "*"
+            elif if_absent and self._exists(full_key):
+                raise StorageConflictError(f"{self.uri}/{key} already exists")
+            try:
+                self._client.put_object(**args)
+            except Exception as exc:
+                code, status = _error_code(exc)
+                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+                    raise StorageConflictError(f"{self.uri}/{key} already exists") from exc
+                if "IfNoneMatch" in args and code in ("NotImplemented", "InvalidArgument"):
+                    log.warning(
+                        "%s does not support conditional writes; using check-then-put",
+                        self.endpoint,
+                    )
+                    self._conditional_puts = False
+                    raise StorageTransientError("retrying without If-None-Match") from exc
+                raise
+
+        self._call("put", key, put)
+
+    def _exists(self, full_key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=full_key)
+        except Exception as exc:
+            code, status = _error_code(exc)
+            if status == 404 and code != "NoSuchBucket":
+                return False
+            raise
+        return True
+
+    # -- download ------------------------------------------------------------------------
+
+    def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
+        full_key = self._full(key)
+        dst = Path(dst)
+
+        def download() -> None:
+            temp = temp_path_for(dst)
+            subscribers = [_Progress(progress)] if progress else []
+            try:
+                with TransferManager(
+                    self._client, config=self.settings.transfer_config()
+                ) as manager:
+                    manager.download(
+                        self.bucket, full_key, str(temp), subscribers=subscribers
+                    ).result()
+                with open(temp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(temp, dst)
+                fsync_dir(dst.parent)
+            finally:
+                temp.unlink(missing_ok=True)
+
+        self._call("download", key, download)
+
+    def get_bytes(self, key: str) -> bytes:
+        full_key = self._full(key)
+
+        def get() -> bytes:
+            body = self._client.get_object(Bucket=self.bucket, Key=full_key)["Body"]
+            with body:
+                return cast(bytes, body.read())
+
+        return self._call("get", key, get)
+
+    def open_read(self, key: str) -> BinaryIO:
+        full_key = self._full(key)
+        body = self._call(
+            "open",
+            key,
+            lambda: self._client.get_object(Bucket=self.bucket, Key=full_key)["Body"],
+        )
+        raw = _ClassifiedStream(body, on_error=lambda exc: self._classify(exc, key))
+        return cast(BinaryIO, io.BufferedReader(raw, buffer_size=CHUNK))
+
+    def _classify(self, exc: BaseException, key: str) -> StorageError:
+        return classify(exc, bucket=self.bucket, key=self._full(key), endpoint=self.endpoint)
+
+    # -- metadata ------------------------------------------------------------------------
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        root = f"{self.prefix}/" if self.prefix else ""
+
+        def collect() -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
+            paginator = self._client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=root + prefix):
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][len(root) :]
+                    if key and not key.endswith("/"):
+                        found.append(ObjectInfo(key=key, size=int(obj["Size"])))
+            return found
+
+        yield from self._call("list", prefix, collect)
+
+    def head(self, key: str) -> ObjectInfo:
+        full_key = self._full(key)
+        response = self._call(
+            "head", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full_key)
+        )
+        return ObjectInfo(key=key, size=int(response["ContentLength"]))
+
+    def delete(self, key: str) -> None:
+        full_key = self._full(key)
+        self._call(
+            "delete", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=full_key)
+        )
+
+    def list_incomplete_uploads(self, prefix: str = "") -> tuple[str, ...]:
+        """Keys with multipart uploads that were neither completed nor aborted."""
+        root = f"{self.prefix}/" if self.prefix else ""
+        response = self._call(
+            "list uploads",
+            prefix,
+            lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=root + prefix),
+        )
+        return tuple(sorted(u["Key"][len(root) :] for u in response.get("Uploads", [])))
+
+    @property
+    def server_checksums(self) -> bool | None:
+        """Whether the store returned SHA-256 checksums (None: no upload verified yet)."""
+        return self._server_checksums
+
+
+def _error_code(exc: BaseException) -> tuple[str, int]:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", 0
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+class _ClassifiedStream(io.RawIOBase):
+    """A response body whose read errors arrive as the project's storage errors."""
+
+    def __init__(self, body: Any, *, on_error: Callable[[BaseException], StorageError]) -> None:
+        self._body = body
+        self._on_error = on_error
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        try:
+            data = self._body.read(len(view))
+        except Exception as exc:
+            raise self._on_error(exc) from exc
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+        super().close()
