@@ -18,13 +18,11 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
-
-import torch
 
 from runner.checkpoint.atomic import (
     HashingFileWriter,
@@ -87,6 +85,8 @@ class Staging:
         self.files.append(FileEntry(path=name, size=out.size, sha256=out.sha256))
 
     def write_torch(self, name: str, obj: Any) -> FileEntry:
+        import torch  # imported here so listing/verifying commands start fast
+
         with self.open_file(name) as out:
             # torch.save only calls write() and flush(): no seek, so it streams one pass
             torch.save(obj, cast(BinaryIO, out))
@@ -104,12 +104,13 @@ class Staging:
                 out.write(chunk)
         return self.files[-1]
 
-    def move_in(self, name: str, src: Path) -> FileEntry:
-        """Rename a file in (same filesystem), then hash it in one read and fsync it."""
+    def move_in(self, name: str, src: Path, *, digest: tuple[int, str] | None = None) -> FileEntry:
+        """Rename a file in (same filesystem), hash it in one read unless the caller has, and
+        fsync it."""
         final = self.path / name
         final.parent.mkdir(parents=True, exist_ok=True)
         os.rename(src, final)
-        size, sha256 = sha256_file(final)
+        size, sha256 = digest or sha256_file(final)
         fsync_file(final)
         self.files.append(FileEntry(path=name, size=size, sha256=sha256))
         return self.files[-1]
@@ -158,17 +159,46 @@ class CheckpointWriter:
         meta: CheckpointMeta,
         format: str,
         copy: bool = False,
+        digests: dict[str, tuple[int, str]] | None = None,
     ) -> CommittedCheckpoint:
         """Commit existing files (e.g. a seed .bin a trainer wrote) as a checkpoint.
 
-        They are renamed in (or copied when `copy`, e.g. from another filesystem), hashed in
-        one read, and listed in the manifest under the given names."""
+        They are renamed in (or copied when `copy`, e.g. from another filesystem) and listed in
+        the manifest under the given names. Each is hashed in one read, unless the caller
+        already hashed it: `digests` maps a name to its (size, sha256), trusted for a rename
+        and checked against the copy for a copy."""
+        digests = digests or {}
         with self._staging(meta.step) as stage:
             for name, src in files.items():
                 if copy:
-                    stage.copy_in(name, src)
+                    entry = stage.copy_in(name, src)
+                    if name in digests and digests[name] != (entry.size, entry.sha256):
+                        raise IntegrityError(f"{src} changed while it was being copied")
                 else:
-                    stage.move_in(name, src)
+                    stage.move_in(name, src, digest=digests.get(name))
+            return self._commit(stage, meta=meta, format=format)
+
+    def copy_streams(
+        self,
+        sources: Mapping[str, Callable[[], BinaryIO]],
+        *,
+        meta: CheckpointMeta,
+        format: str,
+        expected: dict[str, tuple[int, str]],
+    ) -> CommittedCheckpoint:
+        """Commit files read from streams (e.g. another location's checkpoint), checking each
+        against its expected (size, sha256) in the same single read; nothing is committed if
+        one differs."""
+        with self._staging(meta.step) as stage:
+            for name, opener in sources.items():
+                with opener() as stream, stage.open_file(name) as out:
+                    for chunk in read_chunks(stream):
+                        out.write(chunk)
+                    if (out.size, out.digest_so_far()) != expected[name]:
+                        raise IntegrityError(
+                            f"{name}: size or sha256 differs from the source manifest "
+                            "(the source checkpoint is corrupt)"
+                        )
             return self._commit(stage, meta=meta, format=format)
 
     def cleanup_partial(self) -> list[Path]:

@@ -1,0 +1,75 @@
+"""Seed .bin <-> checkpoint directory, never overwriting anything.
+
+A seed .bin becomes a `seed-bin` checkpoint holding the file byte for byte, so converting it
+back yields an identical file. A torch-state or sharded checkpoint is verified, loaded and
+streamed out in seed layout one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.checkpoint.atomic import HashingFileWriter, read_chunks
+from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, step_dir_name
+from runner.checkpoint.manifest import FORMAT_SEED_BIN
+from runner.checkpoint.reader import load_state, newest_verified, read_manifest_dir, verify_dir
+from runner.checkpoint.seedbin import adopt_seed_bin, read_header, write_seed_file
+from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
+from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
+
+
+def bin_to_run_dir(
+    src: Path, run_dir: Path, *, samples_seen: int = 0, writer_id: str
+) -> CommittedCheckpoint:
+    """Add RUN_DIR/checkpoints/step_<header step>/ holding a copy of `src`."""
+    header = read_header(src)
+    target = Path(run_dir) / CHECKPOINTS_DIR / step_dir_name(header.step)
+    if target.exists():
+        raise ConfigError(f"{target} already exists; nothing was overwritten")
+    writer = CheckpointWriter(
+        Path(run_dir) / CHECKPOINTS_DIR, run_id=f"seed-{header.step}", writer_id=writer_id
+    )
+    return adopt_seed_bin(
+        writer, src, copy=True, samples_seen=samples_seen, extra={"converted_from": src.name}
+    )
+
+
+def resolve_step_dir(src: Path) -> Path:
+    """A checkpoint dir as given, or the newest checkpoint that verifies in a run dir."""
+    if (src / MANIFEST_NAME).is_file():
+        return src
+    if not (src / CHECKPOINTS_DIR).is_dir():
+        raise ConfigError(f"{src}: neither a checkpoint directory nor a run directory")
+    from runner.storage.file import FileStorage
+
+    manifest = newest_verified(FileStorage(src))
+    if manifest is None:
+        raise NoVerifiedCheckpointError(f"{src}: no checkpoint verifies; nothing to convert")
+    return src / CHECKPOINTS_DIR / step_dir_name(manifest.step)
+
+
+def checkpoint_to_bin(src: Path, dst: Path) -> tuple[int, int]:
+    """Write the seed file of a checkpoint; returns (step, size)."""
+    if dst.exists():
+        raise ConfigError(f"{dst} already exists; nothing was overwritten")
+    if dst.suffix != ".bin":
+        raise ConfigError(f"{dst}: the seed file must end in .bin")
+    step_dir = resolve_step_dir(src)
+    manifest = read_manifest_dir(step_dir)
+    if manifest.format == FORMAT_SEED_BIN:
+        # verbatim copy of the verified file: a round trip is byte-identical
+        verify_dir(step_dir, manifest=manifest)
+        if len(manifest.files) != 1:
+            raise IntegrityError(f"{step_dir}: a seed-bin checkpoint must hold exactly one file")
+        entry = manifest.files[0]
+        with open(step_dir / entry.path, "rb") as f, HashingFileWriter(dst) as out:
+            for chunk in read_chunks(f):
+                out.write(chunk)
+            if out.digest_so_far() != entry.sha256:
+                raise IntegrityError(f"{step_dir / entry.path} changed while it was copied")
+            out.commit()
+        read_header(dst)
+        return manifest.step, out.size
+    state = load_state(step_dir, manifest=manifest)
+    size, _ = write_seed_file(state, dst, source=str(step_dir))
+    return manifest.step, size

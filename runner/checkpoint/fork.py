@@ -1,0 +1,129 @@
+"""Audit fork: a new run directory that starts from one checkpoint of another run.
+
+The fork gets its own run_id, a verified copy of the checkpoint (same payload bytes, same
+fingerprint: both branches start from identical weights) and the source's loss history up to
+that step, one line per step (the effective history, last line per step wins). Its manifest
+records where it came from in `extra.forked_from`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from runner.checkpoint.atomic import atomic_write_bytes
+from runner.checkpoint.layout import CHECKPOINTS_DIR, LOSS_FILE, checkpoint_key
+from runner.checkpoint.reader import list_checkpoints, read_manifest
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.errors import (
+    ConfigError,
+    IntegrityError,
+    NoVerifiedCheckpointError,
+    RunnerError,
+    StorageNotFoundError,
+)
+from runner.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkResult:
+    checkpoint: CommittedCheckpoint
+    run_id: str
+    loss_steps: int
+    skipped: list[tuple[int, str]]
+
+
+def fork_run(
+    src: Storage,
+    dst: Path,
+    *,
+    step: int | None = None,
+    writer_id: str,
+    on_skip: Callable[[int, str], None] | None = None,
+) -> ForkResult:
+    """Copy checkpoint `step` (default: the newest that verifies) of `src` into a new run dir."""
+    dst = Path(dst)
+    _refuse_existing_run(dst)
+    run_id = f"fork-{uuid.uuid4().hex[:12]}"
+    writer = CheckpointWriter(dst / CHECKPOINTS_DIR, run_id=run_id, writer_id=writer_id)
+    skipped: list[tuple[int, str]] = []
+    candidates = [step] if step is not None else list(reversed(list_checkpoints(src)))
+    if step is not None and step not in list_checkpoints(src):
+        raise IntegrityError(f"{src.uri}: no checkpoint at step {step}")
+    committed = None
+    for candidate in candidates:
+        try:
+            committed = _copy_checkpoint(src, candidate, writer=writer)
+            break
+        except RunnerError as exc:
+            if step is not None:
+                raise
+            skipped.append((candidate, str(exc)))
+            log.warning("fork: skipping step %d of %s: %s", candidate, src.uri, exc)
+            if on_skip is not None:
+                on_skip(candidate, str(exc))
+    if committed is None:
+        raise NoVerifiedCheckpointError(f"{src.uri}: no checkpoint verifies; nothing to fork")
+    loss_steps = _copy_loss_history(src, dst, upto=committed.step)
+    return ForkResult(checkpoint=committed, run_id=run_id, loss_steps=loss_steps, skipped=skipped)
+
+
+def _refuse_existing_run(dst: Path) -> None:
+    ckpts = dst / CHECKPOINTS_DIR
+    if (ckpts.is_dir() and any(ckpts.iterdir())) or (dst / LOSS_FILE).exists():
+        raise ConfigError(
+            f"{dst}: already holds a run (checkpoints or {LOSS_FILE}); fork into a new directory"
+        )
+
+
+def _copy_checkpoint(src: Storage, step: int, *, writer: CheckpointWriter) -> CommittedCheckpoint:
+    manifest = read_manifest(src, step)
+    base = checkpoint_key(step)
+    forked_from = {"location": src.uri, "run_id": manifest.run_id, "step": step}
+    meta = CheckpointMeta(
+        step=manifest.step,
+        samples_seen=manifest.samples_seen,
+        world_size=manifest.world_size,
+        epoch=manifest.epoch,
+        batch_in_epoch=manifest.batch_in_epoch,
+        fingerprint=manifest.fingerprint,
+        extra={**manifest.extra, "forked_from": forked_from},
+    )
+    sources = {f.path: partial(src.open_read, f"{base}/{f.path}") for f in manifest.files}
+    expected = {f.path: (f.size, f.sha256) for f in manifest.files}
+    try:
+        return writer.copy_streams(sources, meta=meta, format=manifest.format, expected=expected)
+    except StorageNotFoundError as exc:
+        raise IntegrityError(f"{src.uri}/{base}: a file listed in the manifest is missing") from exc
+
+
+def _copy_loss_history(src: Storage, dst: Path, *, upto: int) -> int:
+    """Write the effective loss history for steps <= upto; returns the number of steps."""
+    from runner.sidecars import LossLog
+
+    try:
+        raw = src.get_bytes(LOSS_FILE)
+    except StorageNotFoundError:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / LOSS_FILE).write_bytes(raw)
+        entries = [e for e in LossLog(Path(tmp)).entries() if e.step <= upto]
+    lines = []
+    for e in entries:
+        record: dict[str, Any] = {"step": e.step, "loss": e.loss if e.loss == e.loss else None}
+        if e.t is not None:
+            record["t"] = e.t
+        if e.attempt is not None:
+            record["attempt"] = e.attempt
+        lines.append(json.dumps(record, separators=(",", ":")) + "\n")
+    atomic_write_bytes(dst / LOSS_FILE, "".join(lines).encode())
+    return len(lines)

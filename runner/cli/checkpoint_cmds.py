@@ -1,0 +1,258 @@
+"""Checkpoint commands: ls, verify, inspect, convert, fork, prune.
+
+LOCATION is a run dir, `file:///path` or `s3://bucket/prefix`: everything but `convert` goes
+through the storage protocol. Commands raise typed errors; cli/main.py turns them into exit
+codes (3 for integrity failures).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
+
+_json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def _age(created_at: str, *, now: float) -> float | None:
+    try:
+        return now - datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+def _human_size(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}TB"
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+@click.command()
+@click.argument("location")
+@click.option("--verify", "deep", is_flag=True, help="Also hash every file (slower).")
+@_json_option
+def ls(location: str, deep: bool, as_json: bool) -> None:
+    """List the checkpoints at LOCATION: step, size, age, format, verified."""
+    from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint
+    from runner.errors import RunnerError
+    from runner.storage import open_storage
+
+    storage = open_storage(location)
+    now = time.time()
+    rows: list[dict[str, Any]] = []
+    for step in reversed(list_checkpoints(storage)):
+        row: dict[str, Any] = {"step": step, "verified": None, "error": None}
+        try:
+            manifest = verify_checkpoint(storage, step) if deep else read_manifest(storage, step)
+        except RunnerError as exc:
+            row.update(verified=False if deep else None, error=str(exc))
+        else:
+            row.update(
+                size=manifest.total_bytes,
+                age_seconds=_age(manifest.created_at, now=now),
+                format=manifest.format,
+                fingerprint=manifest.fingerprint,
+                verified=True if deep else None,
+            )
+        rows.append(row)
+    if as_json:
+        _echo_json(rows)
+        return
+    if not rows:
+        click.echo(f"no checkpoints at {storage.uri}")
+        return
+    click.echo(f"{'STEP':>10}  {'SIZE':>9}  {'AGE':>7}  {'FORMAT':<14} VERIFIED")
+    for row in rows:
+        verified = {True: "yes", False: "NO", None: "-"}[row["verified"]]
+        if row["error"] and not deep:
+            verified = "NO (manifest)"
+        size = _human_size(row["size"]) if "size" in row else "?"
+        click.echo(
+            f"{row['step']:>10}  {size:>9}  {_human_age(row.get('age_seconds')):>7}  "
+            f"{row.get('format', '?'):<14} {verified}"
+        )
+        if row["error"]:
+            click.echo(f"{'':>12}{row['error']}")
+
+
+@click.command()
+@click.argument("location")
+@click.option("--step", type=int, default=None, help="Verify only this step.")
+@_json_option
+def verify(location: str, step: int | None, as_json: bool) -> None:
+    """Hash every file of every checkpoint at LOCATION and name each corrupt one.
+
+    Exits 3 when the newest checkpoint (or --step) is corrupt, or when there is none."""
+    from runner.checkpoint.reader import CheckpointStatus, scan, verify_checkpoint
+    from runner.errors import RunnerError
+    from runner.storage import open_storage
+
+    storage = open_storage(location)
+    if step is not None:
+        try:
+            statuses = [CheckpointStatus(step, True, None, verify_checkpoint(storage, step))]
+        except RunnerError as exc:
+            statuses = [CheckpointStatus(step, False, str(exc), None)]
+    else:
+        statuses = scan(storage)
+    if as_json:
+        _echo_json(
+            [
+                {
+                    "step": s.step,
+                    "ok": s.ok,
+                    "error": s.error,
+                    "fingerprint": s.manifest.fingerprint if s.manifest else None,
+                }
+                for s in statuses
+            ]
+        )
+    else:
+        for s in statuses:
+            click.echo(f"step {s.step:>8}  {'ok' if s.ok else 'CORRUPT: ' + str(s.error)}")
+    if not statuses:
+        raise NoVerifiedCheckpointError(f"{storage.uri}: no checkpoints to verify")
+    newest = statuses[0]
+    if not newest.ok:
+        older_ok = [s.step for s in statuses if s.ok]
+        fallback = f"; newest that verifies: step {older_ok[0]}" if older_ok else ""
+        raise IntegrityError(f"step {newest.step} at {storage.uri} is corrupt{fallback}")
+
+
+@click.command()
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@_json_option
+def inspect(path: Path, as_json: bool) -> None:
+    """Show a manifest, a checkpoint directory's manifest, or a seed .bin header."""
+    from runner.checkpoint.layout import MANIFEST_NAME
+    from runner.checkpoint.manifest import Manifest
+
+    if path.is_file() and path.suffix == ".bin":
+        from runner.checkpoint.seedbin import expected_size, read_header
+
+        header = read_header(path)
+        info: dict[str, Any] = {
+            "kind": "seed-bin",
+            "path": str(path),
+            "step": header.step,
+            "n_params": header.n_params,
+            "size": header.size,
+            "expected_size": expected_size(header.n_params),
+        }
+    else:
+        manifest_path = path / MANIFEST_NAME if path.is_dir() else path
+        if not manifest_path.is_file():
+            raise ConfigError(
+                f"{path}: not a seed .bin, a manifest.json, or a directory holding one"
+            )
+        manifest = Manifest.from_json(manifest_path.read_bytes(), source=str(manifest_path))
+        info = {"kind": "manifest", "path": str(manifest_path), **json.loads(manifest.to_json())}
+    if as_json:
+        _echo_json(info)
+        return
+    for key, value in info.items():
+        if key == "files":
+            click.echo("files:")
+            for f in value:
+                click.echo(f"  {f['path']}  {f['size']} bytes  sha256 {f['sha256']}")
+        else:
+            click.echo(f"{key}: {value}")
+
+
+@click.command()
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--samples-seen", type=int, default=0, help="Recorded when SRC is a seed .bin.")
+@_json_option
+def convert(src: Path, dst: Path, samples_seen: int, as_json: bool) -> None:
+    """Seed .bin <-> checkpoint directory.
+
+    `convert step_000123.bin RUN_DIR` adds RUN_DIR/checkpoints/step_000123/;
+    `convert RUN_DIR[/checkpoints/step_N] OUT.bin` writes the seed file (from the newest
+    checkpoint that verifies when given a run dir). Never overwrites anything."""
+    from runner.checkpoint.convert import bin_to_run_dir, checkpoint_to_bin
+
+    if src.is_file():
+        result = bin_to_run_dir(
+            src, dst, samples_seen=samples_seen, writer_id=f"convert-{uuid.uuid4().hex[:8]}"
+        )
+        info = {"src": str(src), "dst": str(result.path), "step": result.step}
+    else:
+        step, size = checkpoint_to_bin(src, dst)
+        info = {"src": str(src), "dst": str(dst), "step": step, "size": size}
+    if as_json:
+        _echo_json(info)
+    else:
+        click.echo(f"wrote {info['dst']} (step {info['step']})")
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--step", type=int, default=None, help="Fork from this step (default: newest).")
+@_json_option
+def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
+    """Start a new run dir DST from one checkpoint of SRC (audit fork: own run_id, loss
+    history up to that step)."""
+    from runner.checkpoint.fork import fork_run
+    from runner.storage import open_storage
+
+    result = fork_run(open_storage(src), dst, step=step, writer_id=f"fork-{uuid.uuid4().hex[:8]}")
+    info = {
+        "dst": str(dst),
+        "run_id": result.run_id,
+        "step": result.checkpoint.step,
+        "fingerprint": result.checkpoint.manifest.fingerprint,
+        "loss_steps": result.loss_steps,
+        "skipped": [{"step": s, "error": e} for s, e in result.skipped],
+    }
+    if as_json:
+        _echo_json(info)
+        return
+    for s, e in result.skipped:
+        click.echo(f"skipped step {s}: {e}", err=True)
+    click.echo(
+        f"forked step {info['step']} into {dst} as run {info['run_id']} "
+        f"({info['loss_steps']} loss lines)"
+    )
+
+
+@click.command()
+@click.argument("location")
+@click.option("--keep", type=int, required=True, help="Checkpoints to keep (>= 2).")
+@_json_option
+def prune(location: str, keep: int, as_json: bool) -> None:
+    """Delete all but the newest K checkpoints; never the newest one that verifies."""
+    from runner.checkpoint.retention import prune as prune_storage
+    from runner.storage import open_storage
+
+    deleted = prune_storage(open_storage(location), keep=keep)
+    if as_json:
+        _echo_json({"deleted": deleted})
+    elif deleted:
+        click.echo(f"deleted steps {', '.join(map(str, deleted))}")
+    else:
+        click.echo("nothing to prune")
