@@ -1,0 +1,209 @@
+"""Everything the demo job trains, assembled in one place: `build_demo`.
+
+`runner demo` wraps these components in a session (checkpoints, signals, mirror); `runner drill`
+builds them several times to compare straight and resumed runs. Building seeds every global
+generator from ``seed``, as a fresh process would, so two builds with one seed train identically.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from runner.demo.corpus import DEFAULT_CHARS, generate_corpus
+from runner.demo.data import CharVocab, WindowDataset
+from runner.demo.model import TinyGPT
+from runner.errors import ConfigError
+from runner.fingerprint import fingerprint
+from runner.sampler import ResumableSampler
+from runner.train_state import Counters, capture_train_state, restore_train_state
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoConfig:
+    """Hyperparameters of the demo job (the defaults train 200 CPU steps in seconds)."""
+
+    seed: int = 0
+    batch_size: int = 16
+    total_steps: int = 200
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    context: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    dropout: float = 0.1
+    corpus_chars: int = DEFAULT_CHARS
+    max_samples: int | None = None
+    """Cap on windows per epoch: short epochs for tests that stop mid-epoch."""
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.total_steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
+
+
+def warmup_cosine(config: DemoConfig) -> Callable[[int], float]:
+    """LR multiplier as a function of the step: linear warmup, then cosine to `min_lr_ratio`."""
+    warmup = max(1, min(config.warmup_steps, config.total_steps))
+    decay = max(1, config.total_steps - warmup)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / decay)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+
+    return factor
+
+
+@dataclass(kw_only=True)
+class DemoComponents:
+    """The demo's model, optimizer, schedule, data and counters, and one training step."""
+
+    config: DemoConfig
+    device: torch.device
+    vocab: CharVocab
+    dataset: WindowDataset
+    model: TinyGPT
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    sampler: ResumableSampler
+    counters: Counters = field(default_factory=Counters)
+    loss_history: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.counters.step >= self.config.total_steps
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (inputs, targets) on the training device; advances the data position."""
+        inputs, targets = self.dataset.batch(self.sampler.next_batch())
+        return inputs.to(self.device), targets.to(self.device)
+
+    def train_step(self) -> float:
+        """Forward, backward, clip, AdamW update, LR schedule; returns this step's loss."""
+        self.model.train()
+        inputs, targets = self.next_batch()
+        loss = self.model.loss(inputs, targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        value = float(loss.item())
+        self.loss_history.append(value)
+        self.counters.step += 1
+        self.counters.samples_seen += self.sampler.global_batch_size
+        self.counters.epoch = self.sampler.epoch
+        self.counters.batch_in_epoch = self.sampler.batch_in_epoch
+        return value
+
+    def capture(self, *, copy: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The full train state (see `runner.train_state`)."""
+        return capture_train_state(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            counters=self.counters,
+            sampler=self.sampler,
+            loss_history=self.loss_history,
+            extra=extra,
+            copy=copy,
+        )
+
+    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
+        """Continue from `state`; the loss history is taken up to the restored step."""
+        self.counters = restore_train_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            world_size=self.sampler.world_size,
+            restore_rng=restore_rng,
+        )
+        self.loss_history = [float(x) for x in state.get("loss_history", [])]
+        return self.counters
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.model, self.optimizer)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"``: CUDA when present, else CPU. Anything else is passed to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {device!r}: use auto, cpu or cuda[:N]") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for but CUDA is not available; use auto or cpu")
+    return resolved
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) global generators, as a fresh process would."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def build_demo(
+    *,
+    seed: int,
+    device: str,
+    batch_size: int,
+    total_steps: int,
+    world_size: int = 1,
+    rank: int = 0,
+    **overrides: Any,
+) -> DemoComponents:
+    """Fresh demo components. `overrides` are `DemoConfig` fields (e.g. ``max_samples=112``)."""
+    try:
+        config = DemoConfig(seed=seed, batch_size=batch_size, total_steps=total_steps, **overrides)
+    except TypeError as exc:
+        raise ConfigError(f"unknown demo setting: {exc}") from exc
+    target = resolve_device(device)
+    seed_everything(seed)
+    text = generate_corpus(size=config.corpus_chars)
+    vocab = CharVocab(text)
+    dataset = WindowDataset(vocab.encode(text), context=config.context, limit=config.max_samples)
+    model = TinyGPT(
+        vocab_size=len(vocab),
+        context=config.context,
+        d_model=config.d_model,
+        n_heads=config.n_heads,
+        n_layers=config.n_layers,
+        dropout=config.dropout,
+    ).to(target)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=config.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config))
+    sampler = ResumableSampler(
+        len(dataset), batch_size=batch_size, seed=seed, world_size=world_size, rank=rank
+    )
+    return DemoComponents(
+        config=config,
+        device=target,
+        vocab=vocab,
+        dataset=dataset,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        counters=Counters(world_size=world_size),
+    )
