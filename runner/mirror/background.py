@@ -1,0 +1,238 @@
+"""`Mirror`: uploads committed checkpoints without blocking training, and the final one
+before exit within a deadline.
+
+One background thread uploads periodic checkpoints. The queue holds one slot and the newest
+wins: a checkpoint superseded by a newer one before its upload started is skipped (and logged),
+since only the newest matters for resume. After each upload the mirror keeps the newest K
+checkpoints, never deleting one being uploaded or the newest verified one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from runner.checkpoint.retention import prune
+from runner.checkpoint.writer import CommittedCheckpoint
+from runner.errors import ConfigError, RunnerError, StorageConflictError
+from runner.mirror.resume import SkipCallback, resolve_resume
+from runner.mirror.upload import upload_checkpoint
+from runner.storage.base import ProgressCallback, Storage
+
+log = logging.getLogger(__name__)
+
+
+class MirrorMetrics(Protocol):
+    """What the mirror reports (runner.metrics.RunnerMetrics implements it)."""
+
+    def checkpoint_uploaded(self, *, step: int, duration_s: float) -> None: ...
+
+    def checkpoint_failed(self, stage: str) -> None: ...
+
+
+class Mirror:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        keep: int,
+        writer_id: str,
+        metrics: MirrorMetrics | None = None,
+    ) -> None:
+        if keep < 2:
+            raise ConfigError(f"mirror keep must be >= 2 (got {keep})")
+        self.storage = storage
+        self.keep = keep
+        self.writer_id = writer_id
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._pending: CommittedCheckpoint | None = None
+        self._active: set[int] = set()  # steps being uploaded right now (worker or final)
+        self._closing = False
+        self._worker: threading.Thread | None = None
+        self.last_uploaded: int | None = None
+        self.last_error: str | None = None
+
+    # -- background uploads --------------------------------------------------------------
+
+    def submit(self, ckpt: CommittedCheckpoint) -> None:
+        """Queue a checkpoint for upload and return at once (newest wins)."""
+        with self._cond:
+            if self._closing:
+                raise RunnerError("the mirror is closed; cannot queue more uploads")
+            previous = self._pending
+            if previous is not None and previous.step > ckpt.step:
+                log.info("mirror: not queueing step %d, step %d is newer", ckpt.step, previous.step)
+                return
+            if previous is not None and previous.step != ckpt.step:
+                log.info(
+                    "mirror: skipping upload of step %d: superseded by step %d before it started",
+                    previous.step,
+                    ckpt.step,
+                )
+            self._pending = ckpt
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._run, name="checkpoint-mirror", daemon=True
+                )
+                self._worker.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                ckpt, self._pending = self._pending, None
+                self._active.add(ckpt.step)
+            try:
+                self._upload(ckpt)
+            except RunnerError:
+                pass  # already logged and counted; the next checkpoint tries again
+            except Exception:  # never let the worker die: training must go on
+                log.exception("mirror: unexpected failure uploading step %d", ckpt.step)
+                self._failed(ckpt.step, "unexpected failure")
+            finally:
+                with self._cond:
+                    self._active.discard(ckpt.step)
+                    self._cond.notify_all()
+
+    # -- the final checkpoint ------------------------------------------------------------
+
+    def upload_now(self, ckpt: CommittedCheckpoint, *, deadline: float | None = None) -> bool:
+        """Upload in the caller's time, within `deadline` (a time.monotonic() instant).
+        Returns whether the checkpoint is durable in the mirror; the log says which."""
+        with self._cond:
+            if self._pending is not None and self._pending.step <= ckpt.step:
+                log.info(
+                    "mirror: skipping upload of step %d: superseded by final step %d",
+                    self._pending.step,
+                    ckpt.step,
+                )
+                self._pending = None
+            self._active.add(ckpt.step)
+        started = time.monotonic()
+        outcome: list[bool] = []
+
+        def work() -> None:
+            try:
+                self._upload(ckpt)
+                outcome.append(True)
+            except Exception:
+                outcome.append(False)
+            finally:
+                with self._cond:
+                    self._active.discard(ckpt.step)
+                    self._cond.notify_all()
+
+        # a thread, so that a deadline can be honoured even when a request hangs
+        thread = threading.Thread(target=work, name=f"final-upload-{ckpt.step}", daemon=True)
+        thread.start()
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        elapsed = time.monotonic() - started
+        if thread.is_alive():
+            log.error(
+                "final checkpoint step %d did NOT reach %s before the deadline (%.1fs spent); "
+                "the next run resumes from the newest checkpoint already there",
+                ckpt.step,
+                self.storage.uri,
+                elapsed,
+            )
+            self._failed(ckpt.step, "deadline passed")
+            return False
+        if not outcome or not outcome[0]:
+            log.error(
+                "final checkpoint step %d did NOT reach %s: %s",
+                ckpt.step,
+                self.storage.uri,
+                self.last_error,
+            )
+            return False
+        spare = f", {deadline - time.monotonic():.1f}s before the deadline" if deadline else ""
+        log.info(
+            "final checkpoint step %d is durable in %s (%.1fs%s)",
+            ckpt.step,
+            self.storage.uri,
+            elapsed,
+            spare,
+        )
+        return True
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def _upload(self, ckpt: CommittedCheckpoint) -> None:
+        started = time.monotonic()
+        try:
+            upload_checkpoint(self.storage, ckpt.path, writer_id=self.writer_id)
+        except StorageConflictError as exc:
+            log.warning("mirror: %s", exc)
+            self._failed(ckpt.step, str(exc))
+            raise
+        except RunnerError as exc:
+            log.error(
+                "mirror: upload of step %d to %s failed: %s", ckpt.step, self.storage.uri, exc
+            )
+            self._failed(ckpt.step, str(exc))
+            raise
+        duration = time.monotonic() - started
+        with self._cond:
+            self.last_uploaded = max(self.last_uploaded or -1, ckpt.step)
+            self.last_error = None
+        if self.metrics is not None:
+            self.metrics.checkpoint_uploaded(step=ckpt.step, duration_s=duration)
+        self._prune(newest_ok=ckpt.step)
+
+    def _prune(self, *, newest_ok: int) -> None:
+        with self._cond:
+            protect = set(self._active)
+        try:
+            prune(self.storage, keep=self.keep, protect=protect | {newest_ok}, newest_ok=newest_ok)
+        except RunnerError as exc:  # retention failing must not fail the upload
+            log.warning("mirror: pruning %s failed: %s", self.storage.uri, exc)
+
+    def _failed(self, step: int, why: str) -> None:
+        with self._cond:
+            self.last_error = f"step {step}: {why}"
+        if self.metrics is not None:
+            self.metrics.checkpoint_failed("upload")
+
+    def in_flight_steps(self) -> set[int]:
+        """Steps queued or being uploaded: local retention must keep their directories."""
+        with self._cond:
+            pending = {self._pending.step} if self._pending is not None else set()
+            return pending | self._active
+
+    def resolve_resume(
+        self,
+        run_dir: Path,
+        *,
+        on_skip: SkipCallback | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> Path | None:
+        """`resolve_resume` over the run dir and this mirror's storage."""
+        return resolve_resume(run_dir, self.storage, on_skip=on_skip, progress=progress)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or uploading; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._active:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Finish what is queued, then stop the worker."""
+        self.wait_idle(timeout)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout)

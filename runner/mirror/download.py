@@ -1,0 +1,116 @@
+"""Download one checkpoint from a mirror into a run dir: concurrent, verified, atomic."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from runner.checkpoint.atomic import atomic_write_bytes, fsync_dir, sha256_file
+from runner.checkpoint.layout import (
+    CHECKPOINTS_DIR,
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    checkpoint_key,
+    step_dir_name,
+)
+from runner.checkpoint.manifest import FileEntry, Manifest
+from runner.checkpoint.reader import read_manifest, verify_dir
+from runner.errors import IntegrityError
+from runner.mirror.remote_layout import to_local
+from runner.storage.base import ProgressCallback, Storage
+
+log = logging.getLogger(__name__)
+
+FILE_WORKERS = 4
+
+
+def download_checkpoint(
+    storage: Storage,
+    step: int,
+    run_dir: Path,
+    *,
+    progress: ProgressCallback | None = None,
+    file_workers: int = FILE_WORKERS,
+) -> Path:
+    """Fetch checkpoint `step` into `run_dir/checkpoints/step_N` and return that directory.
+
+    Files land in a temp directory beside the final one, each checked against the manifest's
+    size and sha256; the manifest (the writer's original, attempt dir stripped) is written
+    last and the directory renamed into place. IntegrityError when a file does not verify:
+    nothing is left under the final name."""
+    remote = read_manifest(storage, step)
+    local = to_local(remote, source=f"{storage.uri}/{checkpoint_key(step)}/{MANIFEST_NAME}")
+    ckpt_dir = Path(run_dir) / CHECKPOINTS_DIR
+    final = ckpt_dir / step_dir_name(step)
+    if final.is_dir() and _holds(final, local):
+        return final
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    # same naming as the writer's temp dirs, so its cleanup removes a crashed pull's leftovers
+    staging = ckpt_dir / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    try:
+        base = checkpoint_key(step)
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(file_workers, len(local.files))),
+            thread_name_prefix=f"download-{step}",
+        ) as pool:
+            jobs = [
+                pool.submit(
+                    _download_one,
+                    storage,
+                    key=f"{base}/{remote_entry.path}",
+                    dst=staging / entry.path,
+                    entry=entry,
+                    progress=progress,
+                )
+                for entry, remote_entry in zip(local.files, remote.files, strict=True)
+            ]
+            for job in jobs:
+                job.result()
+        atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
+        fsync_dir(staging)
+        _publish(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("downloaded checkpoint step %d from %s to %s", step, storage.uri, final)
+    return final
+
+
+def _download_one(
+    storage: Storage, *, key: str, dst: Path, entry: FileEntry, progress: ProgressCallback | None
+) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    storage.get_file(key, dst, progress=progress)
+    size, digest = sha256_file(dst)
+    if (size, digest) != (entry.size, entry.sha256):
+        what = "size" if size != entry.size else "sha256"
+        raise IntegrityError(
+            f"{storage.uri}/{key}: {what} differs from the manifest after download "
+            "(the remote copy is corrupt)"
+        )
+
+
+def _holds(step_dir: Path, manifest: Manifest) -> bool:
+    try:
+        existing = verify_dir(step_dir)
+    except IntegrityError:
+        return False
+    return existing.fingerprint == manifest.fingerprint and existing.files == manifest.files
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename into place; an existing (corrupt or different) directory is moved aside first
+    and deleted only once the new one is in place."""
+    aside: Path | None = None
+    if final.exists():
+        suffix = f"{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
+        aside = final.with_name(f"{TMP_PREFIX}{final.name}-{suffix}")
+        os.rename(final, aside)
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,135 @@
+"""Upload one committed checkpoint: every payload file, each verified, the manifest last."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from runner.checkpoint.layout import checkpoint_key, manifest_key
+from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.reader import read_manifest_dir
+from runner.errors import (
+    IntegrityError,
+    RunnerError,
+    StorageConflictError,
+    StorageNotFoundError,
+    StorageTransientError,
+)
+from runner.mirror.remote_layout import new_attempt_id, same_checkpoint, to_remote
+from runner.storage.base import ProgressCallback, Storage
+
+log = logging.getLogger(__name__)
+
+FILE_WORKERS = 4
+
+
+def remote_manifest(storage: Storage, step: int) -> Manifest | None:
+    """The mirror's manifest of a step, None when the step has none (or an unreadable one)."""
+    key = manifest_key(step)
+    try:
+        raw = storage.get_bytes(key)
+    except StorageNotFoundError:
+        return None
+    try:
+        return Manifest.from_json(raw, source=f"{storage.uri}/{key}")
+    except IntegrityError:
+        return None
+
+
+def upload_checkpoint(
+    storage: Storage,
+    step_dir: Path,
+    *,
+    writer_id: str = "runner",
+    progress: ProgressCallback | None = None,
+    file_workers: int = FILE_WORKERS,
+) -> Manifest:
+    """Upload a committed local checkpoint and return the mirror's manifest.
+
+    Files go to a directory unique to this attempt, each checked against the local manifest's
+    size and sha256 (the backend compares its server-side checksum where it has one); the
+    manifest is written last and only if the step has none yet. Already there with the same
+    content: nothing is sent. Another writer's checkpoint at this step: StorageConflictError.
+    On failure this attempt's objects are removed and no manifest exists for them."""
+    step_dir = Path(step_dir)
+    local = read_manifest_dir(step_dir)
+    existing = remote_manifest(storage, local.step)
+    if existing is not None:
+        return _settle_existing(storage, existing, local)
+
+    attempt = new_attempt_id(writer_id)
+    remote = to_remote(local, attempt=attempt)
+    base = checkpoint_key(local.step)
+    try:
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(file_workers, len(local.files))),
+            thread_name_prefix=f"upload-{local.step}",
+        ) as pool:
+            jobs = [
+                pool.submit(
+                    _upload_one,
+                    storage,
+                    key=f"{base}/{remote_entry.path}",
+                    src=step_dir / entry.path,
+                    size=entry.size,
+                    sha256=entry.sha256,
+                    progress=progress,
+                )
+                for entry, remote_entry in zip(local.files, remote.files, strict=True)
+            ]
+            for job in jobs:
+                job.result()
+        storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
+    except StorageConflictError:
+        _discard_attempt(storage, base=base, attempt=attempt)
+        winner = remote_manifest(storage, local.step)
+        if winner is not None:
+            return _settle_existing(storage, winner, local)
+        raise
+    except BaseException:
+        _discard_attempt(storage, base=base, attempt=attempt)
+        raise
+    log.info(
+        "uploaded checkpoint step %d to %s (%d files, %d bytes)",
+        local.step,
+        storage.uri,
+        len(local.files),
+        local.total_bytes,
+    )
+    return remote
+
+
+def _upload_one(
+    storage: Storage,
+    *,
+    key: str,
+    src: Path,
+    size: int,
+    sha256: str,
+    progress: ProgressCallback | None,
+) -> None:
+    storage.put_file(key, src, sha256=sha256, progress=progress)
+    stored = storage.head(key).size
+    if stored != size:
+        raise StorageTransientError(f"{storage.uri}/{key}: stored {stored} bytes, sent {size}")
+
+
+def _settle_existing(storage: Storage, existing: Manifest, local: Manifest) -> Manifest:
+    if same_checkpoint(existing, local):
+        log.info("checkpoint step %d is already in %s", local.step, storage.uri)
+        return existing
+    raise StorageConflictError(
+        f"{storage.uri} already holds a different checkpoint at step {local.step} (written by "
+        f"{existing.writer}, fingerprint {existing.fingerprint[:12]}); not replacing it"
+    )
+
+
+def _discard_attempt(storage: Storage, *, base: str, attempt: str) -> None:
+    """Remove what this attempt uploaded (best effort: objects without a manifest are
+    invisible to readers anyway)."""
+    try:
+        for info in list(storage.list(f"{base}/{attempt}/")):
+            storage.delete(info.key)
+    except RunnerError as exc:
+        log.warning("could not remove partial upload %s/%s: %s", base, attempt, exc)
