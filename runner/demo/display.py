@@ -1,0 +1,62 @@
+"""The demo's live progress line: step, loss, steps/s, last checkpoint and its age.
+
+On a terminal the line is redrawn in place; otherwise (logs, CI) one line is printed every
+`every_seconds` so a log stays readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class ProgressDisplay:
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        stream: TextIO | None = None,
+        live: bool | None = None,
+        every_seconds: float = 5.0,
+    ) -> None:
+        self.total_steps = total_steps
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty() if live is None else live
+        self.every_seconds = every_seconds
+        self._rate_mark: tuple[float, int] | None = None
+        self._rate = 0.0
+        self._last_print = 0.0
+        self._ckpt: tuple[int, float] | None = None
+
+    def checkpoint(self, step: int) -> None:
+        self._ckpt = (step, time.monotonic())
+
+    def update(self, *, step: int, loss: float) -> None:
+        now = time.monotonic()
+        if self._rate_mark is None:
+            self._rate_mark = (now, step)
+        elif now - self._rate_mark[0] >= 1.0:
+            then, then_step = self._rate_mark
+            self._rate = (step - then_step) / (now - then)
+            self._rate_mark = (now, step)
+        if not self.live and now - self._last_print < self.every_seconds:
+            return
+        self._last_print = now
+        ckpt = "none yet"
+        if self._ckpt is not None:
+            ckpt = f"step {self._ckpt[0]} ({now - self._ckpt[1]:.0f}s ago)"
+        line = (
+            f"step {step}/{self.total_steps}  loss {loss:.4f}  {self._rate:.1f} steps/s  "
+            f"last checkpoint: {ckpt}"
+        )
+        if self.live:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,78 @@
+"""`runner demo`: the built-in job wired to the runner (signals, notices, metrics, mirror)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from runner.config import RunConfig
+from runner.demo.components import build_demo
+from runner.demo.display import ProgressDisplay
+from runner.metrics import RunnerMetrics, maybe_serve_metrics
+from runner.preemption.notices import start_notice_poller
+from runner.preemption.signals import install_signal_handlers
+from runner.preemption.stop import StopController
+from runner.session import TrainSession
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEMO_STEPS = 200
+
+
+def run_demo(
+    config: RunConfig, *, batch_size: int, progress: bool | None, threads: int | None = None
+) -> int:
+    """Train the demo model to `config.steps`, resuming if possible; returns the exit code."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    total = config.steps if config.steps is not None else DEFAULT_DEMO_STEPS
+    config.steps = total
+    stop = StopController()
+    restore_signals = install_signal_handlers(stop, grace_seconds=config.grace_seconds)
+    metrics = RunnerMetrics()
+    server = maybe_serve_metrics(metrics, host=config.metrics_host, port=config.metrics_port)
+    poller = start_notice_poller(config, stop, metrics)
+    display = ProgressDisplay(total_steps=total, live=progress)
+    try:
+        components = build_demo(
+            seed=config.seed, device=config.device, batch_size=batch_size, total_steps=total
+        )
+        mirror = _open_mirror(config, metrics)
+        with TrainSession(
+            config, state=components, stop=stop, metrics=metrics, mirror=mirror
+        ) as session:
+            if session.resumed_from is not None:
+                display.checkpoint(session.resumed_from)
+            while not session.should_stop:
+                loss = components.train_step()
+                session.step_done()
+                if session.last_checkpoint is not None:
+                    display.checkpoint(session.last_checkpoint.step)
+                display.update(step=session.step, loss=loss)
+            code = session.finish()
+        display.close()
+        print(
+            f"step {components.counters.step}/{total} fingerprint {components.fingerprint()}",
+            file=sys.stderr,
+        )
+        return code
+    finally:
+        if poller is not None:
+            poller.stop()
+        if server is not None:
+            server.close()
+        stop.close()
+        restore_signals()
+
+
+def _open_mirror(config: RunConfig, metrics: RunnerMetrics):  # type: ignore[no-untyped-def]
+    if config.mirror is None:
+        return None
+    from runner.mirror import Mirror
+    from runner.storage import open_storage
+
+    return Mirror(
+        open_storage(config.mirror), keep=config.keep, writer_id=config.writer_id, metrics=metrics
+    )

@@ -1,0 +1,374 @@
+"""The in-process API: one object that restores on start, saves by policy, stops on request.
+
+    state = ModuleTrainState(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    with TrainSession(config, state=state, stop=stop) as session:   # restores if it can
+        while not session.should_stop:
+            ...one optimizer step...
+            state.advance(loss=loss.item())
+            session.step_done()                                     # saves when due
+    sys.exit(session.exit_code)                                     # 0 finished, 75 stopped
+
+Signal handlers are not installed here: the entry point installs them and hands over the
+StopController. All work (saving, uploading) happens inside `step_done` and `finish`, at step
+boundaries of the caller's loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from runner.checkpoint.layout import CHECKPOINTS_DIR
+from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.reader import load_state, read_manifest_dir
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.config import RunConfig
+from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
+from runner.fingerprint import fingerprint
+from runner.policy import SavePolicy
+from runner.preemption.stop import StopController
+from runner.sampler import ResumableSampler
+from runner.sidecars import LossLog
+from runner.train_state import Counters, capture_train_state, restore_train_state
+
+if TYPE_CHECKING:
+    from runner.metrics import RunnerMetrics
+    from runner.mirror import Mirror
+
+log = logging.getLogger(__name__)
+
+
+class TrainState(Protocol):
+    """What a session needs from the training loop's state (the demo's components and
+    `ModuleTrainState` both provide it). The loop advances `counters` and `loss_history`."""
+
+    counters: Counters
+    loss_history: list[float]
+
+    def capture(
+        self, *, copy: bool = False, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters: ...
+
+    def fingerprint(self) -> str: ...
+
+
+@dataclass(kw_only=True)
+class ModuleTrainState:
+    """TrainState for a plain PyTorch loop: model, optimizer, optional scheduler and sampler."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    sampler: ResumableSampler | None = None
+    world_size: int = 1
+    counters: Counters = field(default_factory=Counters)
+    loss_history: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.counters.world_size = self.world_size
+
+    def advance(self, *, loss: float, samples: int | None = None) -> None:
+        """Record one completed optimizer step. `samples` defaults to the sampler's global batch."""
+        if samples is None:
+            samples = self.sampler.global_batch_size if self.sampler is not None else 0
+        self.counters.step += 1
+        self.counters.samples_seen += samples
+        if self.sampler is not None:
+            self.counters.epoch = self.sampler.epoch
+            self.counters.batch_in_epoch = self.sampler.batch_in_epoch
+        self.loss_history.append(float(loss))
+
+    def capture(self, *, copy: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return capture_train_state(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            counters=self.counters,
+            sampler=self.sampler,
+            loss_history=self.loss_history,
+            extra=extra,
+            copy=copy,
+        )
+
+    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
+        self.counters = restore_train_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            world_size=self.world_size,
+            restore_rng=restore_rng,
+        )
+        self.loss_history = [float(x) for x in state.get("loss_history", [])]
+        return self.counters
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.model, self.optimizer)
+
+
+class TrainSession:
+    """Restore, periodic and on-demand saves, the final checkpoint, and the exit code."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        state: TrainState,
+        stop: StopController | None = None,
+        metrics: RunnerMetrics | None = None,
+        mirror: Mirror | None = None,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.stop = stop or StopController()
+        self.metrics = metrics
+        self.mirror = mirror
+        self.run_dir = Path(config.run_dir)
+        self.ckpt_dir = self.run_dir / CHECKPOINTS_DIR
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # A new run gets a new identity; a resumed one takes it from its checkpoint.
+        self.writer = CheckpointWriter(
+            self.ckpt_dir, run_id=uuid.uuid4().hex[:16], writer_id=config.writer_id
+        )
+        self.policy = SavePolicy(
+            every_steps=config.ckpt_every, every_seconds=config.ckpt_every_seconds
+        )
+        self.loss_log = LossLog(self.run_dir, attempt=config.writer_id)
+        self.last_checkpoint: CommittedCheckpoint | None = None
+        self.resumed_from: int | None = None
+        self.exit_code: int | None = None
+        self.final_save_seconds: float | None = None
+        self.final_upload_landed: bool | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> TrainSession:
+        self.restore()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc_type is None and self.exit_code is None:
+                self.finish()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.loss_log.close()
+        if self.mirror is not None:
+            self.mirror.close()
+
+    @property
+    def step(self) -> int:
+        return self.state.counters.step
+
+    @property
+    def target_reached(self) -> bool:
+        return self.config.steps is not None and self.step >= self.config.steps
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the loop must end: the run is complete or a stop was requested."""
+        return self.target_reached or self.stop.stop_requested
+
+    # -- resume -------------------------------------------------------------------------------
+
+    def restore(self) -> int | None:
+        """Continue from the newest checkpoint that verifies (local or mirror); returns its step."""
+        self.writer.cleanup_partial()
+        step_dir = self._find_resume_dir()
+        if step_dir is None:
+            log.info("no checkpoint to resume from in %s: starting at step 0", self.run_dir)
+            self.policy = self._policy(start_step=0)
+            return None
+        manifest = read_manifest_dir(step_dir)
+        try:
+            counters = self.state.restore(load_state(step_dir, manifest=manifest))
+        except RunnerError:
+            if self.metrics is not None:
+                self.metrics.checkpoint_failed("restore")
+            raise
+        self.resumed_from = manifest.step
+        self.writer.run_id = manifest.run_id
+        lost = self._steps_lost(counters.step)
+        self.loss_log.mark_resume(counters.step)
+        self.policy = self._policy(start_step=counters.step)
+        if self.metrics is not None:
+            self.metrics.resumed(steps_lost=lost)
+            self.metrics.train_step(counters.step)
+            created = _parse_created_at(manifest)
+            self.metrics.checkpoint_found(location="local", step=manifest.step, created_at=created)
+        log.info(
+            "resumed from %s (step %d, %d samples seen%s)",
+            step_dir,
+            counters.step,
+            counters.samples_seen,
+            f"; {lost} logged steps after it are redone" if lost else "",
+        )
+        return counters.step
+
+    def _find_resume_dir(self) -> Path | None:
+        def on_skip(step: int, why: str) -> None:
+            log.warning("not resuming from step %d: %s", step, why)
+            if self.metrics is not None:
+                self.metrics.checkpoint_failed("verify")
+
+        if self.mirror is not None:
+            return self.mirror.resolve_resume(self.run_dir, on_skip=on_skip)
+        from runner.checkpoint.reader import local_step_dir, newest_verified
+        from runner.storage.file import FileStorage
+
+        manifest = newest_verified(FileStorage(self.run_dir), on_skip=on_skip)
+        return None if manifest is None else local_step_dir(self.run_dir, manifest.step)
+
+    def _steps_lost(self, resume_step: int) -> int:
+        logged = self.loss_log.read()
+        return max(0, max(logged, default=0) - resume_step)
+
+    def _policy(self, *, start_step: int) -> SavePolicy:
+        return SavePolicy(
+            every_steps=self.config.ckpt_every,
+            every_seconds=self.config.ckpt_every_seconds,
+            start_step=start_step,
+        )
+
+    # -- the step boundary --------------------------------------------------------------------
+
+    def step_done(self) -> bool:
+        """Call after every optimizer step. Saves when due; returns `should_stop`."""
+        counters = self.state.counters
+        if self.state.loss_history and len(self.state.loss_history) >= counters.step:
+            self.loss_log.append(counters.step, self.state.loss_history[counters.step - 1])
+        if self.metrics is not None:
+            self.metrics.train_step(counters.step)
+        if self.should_stop:
+            return True  # the final checkpoint is written by finish()
+        reason = self.stop.take_checkpoint_request() or self.policy.due(counters.step)
+        if reason is not None:
+            self.save(reason=reason)
+        return False
+
+    def save(self, *, reason: str) -> CommittedCheckpoint:
+        """Commit a checkpoint of the current state now, and hand it to the mirror."""
+        counters = self.state.counters
+        started = time.monotonic()
+        try:
+            self.loss_log.sync()  # the loss history is at least as durable as the checkpoint
+            payload = self.state.capture()
+            meta = CheckpointMeta(
+                step=counters.step,
+                samples_seen=counters.samples_seen,
+                world_size=counters.world_size,
+                epoch=counters.epoch,
+                batch_in_epoch=counters.batch_in_epoch,
+                fingerprint=self.state.fingerprint(),
+                extra={"reason": reason},
+            )
+            committed = self.writer.write_state(payload, meta=meta)
+        except (OSError, RunnerError):
+            if self.metrics is not None:
+                self.metrics.checkpoint_failed("save")
+            log.exception("checkpoint at step %d failed; the previous one is intact", counters.step)
+            raise
+        duration = time.monotonic() - started
+        self.policy.saved(counters.step)
+        self.last_checkpoint = committed
+        if self.metrics is not None:
+            self.metrics.checkpoint_saved(
+                step=counters.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
+            )
+        log.info(
+            "checkpoint step %d committed in %.2fs (%s, %.1f MB)",
+            counters.step,
+            duration,
+            reason,
+            committed.manifest.total_bytes / 1e6,
+        )
+        self._prune_local()
+        if self.mirror is not None and reason not in ("final", "stop"):
+            self.mirror.submit(committed)
+        return committed
+
+    def _prune_local(self) -> None:
+        from runner.checkpoint.retention import prune
+        from runner.storage.file import FileStorage
+
+        protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
+        try:
+            prune(FileStorage(self.run_dir), keep=self.config.keep, protect=protect)
+        except (OSError, RunnerError) as exc:  # retention must never fail a run
+            log.warning("local retention skipped: %s", exc)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def finish(self) -> int:
+        """Commit the final checkpoint (and upload it within the deadline); returns the exit code.
+
+        0 when the run reached its step target, 75 when it stopped on request (SIGTERM, a
+        preemption notice) with the final checkpoint committed.
+        """
+        stopped = self.stop.stop_requested and not self.target_reached
+        reason = "stop" if stopped else "final"
+        started = time.monotonic()
+        ckpt = self.last_checkpoint
+        if ckpt is None or ckpt.step != self.step:
+            if self.step == 0 and self.resumed_from is None:
+                ckpt = None  # nothing trained, nothing to save
+            elif self.resumed_from == self.step and self.last_checkpoint is None:
+                ckpt = None  # stopped right after resuming: the checkpoint we resumed from stands
+            else:
+                ckpt = self.save(reason=reason)
+        self.final_save_seconds = time.monotonic() - started
+        if self.mirror is not None and ckpt is not None:
+            deadline = self.stop.deadline if stopped else None
+            if stopped and deadline is None:
+                deadline = started + self.config.grace_seconds
+            self.final_upload_landed = self.mirror.upload_now(ckpt, deadline=deadline)
+        elapsed = time.monotonic() - started
+        if stopped:
+            self._report_stop(elapsed)
+        self.exit_code = EXIT_PREEMPTED if stopped else EXIT_OK
+        return self.exit_code
+
+    def _report_stop(self, elapsed: float) -> None:
+        budget = self.config.grace_seconds
+        where = "local"
+        if self.mirror is not None:
+            where = (
+                "local + mirror"
+                if self.final_upload_landed
+                else "local only (mirror upload did NOT land)"
+            )
+        log.warning(
+            "stopped by %s at step %d: final checkpoint durable in %s after %.2fs "
+            "of the %.0fs grace period",
+            self.stop.reason,
+            self.step,
+            where,
+            elapsed,
+            budget,
+        )
+
+
+def _parse_created_at(manifest: Manifest) -> float:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return time.time()
