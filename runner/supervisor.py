@@ -1,0 +1,315 @@
+"""`runner run -- CMD`: supervise any trainer.
+
+The trainer runs in its own process group with RUNNER_RUN_DIR, RUNNER_CKPT_DIR and
+RUNNER_RESUME_FROM in its environment. SIGTERM / SIGINT / SIGUSR1 (and cloud preemption
+notices, as a SIGTERM) are forwarded to the group; seed `.bin` files it writes are checked,
+committed with a manifest, mirrored and handed back on the next start. Crashes are restarted
+with exponential backoff up to `max_restarts`; then ChildFailedError shows its last output.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from runner.checkpoint.layout import CHECKPOINTS_DIR
+from runner.checkpoint.retention import prune
+from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
+from runner.config import RunConfig
+from runner.errors import EXIT_OK, EXIT_PREEMPTED, ChildFailedError, ConfigError
+from runner.preemption.stop import StopController
+from runner.sidecars import LossLog
+from runner.storage.file import FileStorage
+from runner.supervisor_adopt import Adopted, ResolveResume, ResumePoint, SeedAdopter, find_resume
+from runner.supervisor_child import (
+    DEFAULT_TAIL_LINES,
+    ChildProcess,
+    OutputTail,
+    describe_exit,
+)
+
+log = logging.getLogger(__name__)
+
+ENV_RUN_DIR = "RUNNER_RUN_DIR"
+ENV_CKPT_DIR = "RUNNER_CKPT_DIR"
+ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
+ENV_RESUME_STEP = "RUNNER_RESUME_STEP"
+ENV_ATTEMPT = "RUNNER_ATTEMPT"
+
+
+class MirrorHook(Protocol):
+    """What the supervisor needs from the mirror (runner.mirror.Mirror fits)."""
+
+    def submit(self, ckpt: CommittedCheckpoint) -> None: ...
+
+    def upload_now(self, ckpt: CommittedCheckpoint, *, deadline: float | None = None) -> bool: ...
+
+
+class MetricsHook(Protocol):
+    """What the supervisor reports (runner.metrics.RunnerMetrics fits)."""
+
+    def checkpoint_saved(self, *, step: int, duration_s: float, size_bytes: int) -> None: ...
+
+    def checkpoint_failed(self, stage: str) -> None: ...
+
+    def preemption_notice(self, source: str) -> None: ...
+
+    def resumed(self, *, steps_lost: int = 0) -> None: ...
+
+
+class ChildCrashed(Exception):
+    """One trainer run ended badly; tenacity decides whether to restart."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(describe_exit(code))
+        self.code = code
+
+
+class Supervisor:
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        config: RunConfig,
+        controller: StopController,
+        mirror: MirrorHook | None = None,
+        metrics: MetricsHook | None = None,
+        resolve_resume: ResolveResume | None = None,
+        restart_backoff: float = 1.0,
+        max_backoff: float = 60.0,
+        scan_interval: float = 0.2,
+        tail_lines: int = DEFAULT_TAIL_LINES,
+        stdout: BinaryIO | None = None,
+        stderr: BinaryIO | None = None,
+    ) -> None:
+        if not command:
+            raise ConfigError("runner run needs a trainer command after `--`")
+        self.command = list(command)
+        self.config = config
+        self.controller = controller
+        self.mirror = mirror
+        self.metrics = metrics
+        self.resolve_resume = resolve_resume
+        self.restart_backoff = restart_backoff
+        self.max_backoff = max_backoff
+        self.scan_interval = scan_interval
+        self.run_dir = Path(config.run_dir).absolute()
+        self.ckpt_dir = self.run_dir / CHECKPOINTS_DIR
+        self.writer = CheckpointWriter(
+            self.ckpt_dir, run_id=self.run_dir.name, writer_id=config.writer_id
+        )
+        self.adopter = SeedAdopter(self.run_dir, writer=self.writer)
+        self.tail = OutputTail(tail_lines)
+        self._stdout = stdout or sys.stdout.buffer
+        self._stderr = stderr or sys.stderr.buffer
+        self.last_checkpoint: CommittedCheckpoint | None = None
+        self._checkpoint_at_stop: CommittedCheckpoint | None = None
+        self.attempts = 0
+
+    # -- the whole run -------------------------------------------------------------------------
+    def run(self) -> int:
+        """0 when the trainer finished, 75 when stopped (signal or notice); raises
+        ChildFailedError once the trainer crashed more than `max_restarts` times."""
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.writer.cleanup_partial()
+        self._adopt(settled=True)  # files left by a trainer whose supervisor died
+        retrying = Retrying(
+            stop=stop_after_attempt(self.config.max_restarts + 1),
+            wait=wait_exponential(multiplier=self.restart_backoff, max=self.max_backoff),
+            retry=retry_if_exception_type(ChildCrashed),
+            sleep=self._backoff_sleep,
+            before_sleep=self._log_restart,
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    return self._run_once()
+        except ChildCrashed as crash:
+            raise ChildFailedError(self._failure_message(crash)) from None
+        raise AssertionError("unreachable: tenacity either returns or re-raises")
+
+    def _backoff_sleep(self, seconds: float) -> None:
+        # A stop during the backoff ends it; the next attempt then sees the stop and exits 75.
+        self.controller.wait(seconds)
+
+    def _log_restart(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning(
+            "trainer failed (%s); restart %d of %d in %.2f s",
+            exc,
+            state.attempt_number,
+            self.config.max_restarts,
+            delay,
+        )
+
+    def _failure_message(self, crash: ChildCrashed) -> str:
+        tail = "\n".join(f"    {line}" for line in self.tail.lines()) or "    (no output)"
+        restarts = self.config.max_restarts
+        return (
+            f"the trainer `{' '.join(self.command)}` failed {self.attempts} time(s), last with "
+            f"{crash}; gave up after --max-restarts {restarts}. Fix the trainer (or raise "
+            f"--max-restarts); checkpoints so far are kept in {self.ckpt_dir}. "
+            f"Its last output:\n{tail}"
+        )
+
+    # -- one trainer process -------------------------------------------------------------------
+    def _run_once(self) -> int:
+        if self.controller.stop_requested:
+            log.warning("stop requested (%s) before the trainer started", self.controller.reason)
+            return EXIT_PREEMPTED
+        self.attempts += 1
+        resume = find_resume(self.run_dir, resolve=self.resolve_resume)
+        if self.attempts > 1 and self.metrics is not None:
+            self.metrics.resumed(steps_lost=self._steps_lost(resume))
+        child = ChildProcess(
+            self.command,
+            env=self._child_env(resume),
+            stdout=self._stdout,
+            stderr=self._stderr,
+            tail=self.tail,
+        )
+        log.info(
+            "started trainer pid %d (attempt %d), resume from %s",
+            child.pid,
+            self.attempts,
+            resume.payload if resume else "scratch",
+        )
+        stop_sent_at = self._watch(child)
+        code = child.finish()
+        self._adopt(settled=True)
+        if stop_sent_at is not None:
+            return self._finish_stop(code, stop_sent_at)
+        if code == EXIT_OK:
+            log.info("trainer finished (exit 0)")
+            return EXIT_OK
+        if code == EXIT_PREEMPTED:
+            log.warning("trainer exited 75 on its own (preempted); passing it on")
+            return EXIT_PREEMPTED
+        raise ChildCrashed(code)
+
+    def _watch(self, child: ChildProcess) -> float | None:
+        """Forward signals and adopt checkpoints until the trainer exits. Returns when the
+        stop was forwarded (monotonic), or None if the trainer ended on its own."""
+        stop_sent_at: float | None = None
+        killed = False
+        while child.poll() is None:
+            if self.controller.stop_requested and stop_sent_at is None:
+                stop_sent_at = self._forward_stop(child)
+            if self.controller.take_checkpoint_request() is not None:
+                log.info("forwarding SIGUSR1: the trainer checkpoints and continues")
+                child.signal_group(signal.SIGUSR1)
+            time_left = self.controller.time_left()
+            if stop_sent_at is not None and not killed and time_left is not None and time_left <= 0:
+                log.error(
+                    "grace period over and the trainer is still running: killing its group; "
+                    "the last checkpoint it committed is the one that counts"
+                )
+                child.signal_group(signal.SIGKILL)
+                killed = True
+            self._adopt(settled=False)
+            wait = self.scan_interval
+            if time_left is not None and not killed:
+                wait = max(0.0, min(wait, time_left))
+            self.controller.wait_any(wait)
+        return stop_sent_at
+
+    def _forward_stop(self, child: ChildProcess) -> float:
+        reason = self.controller.reason or "stop"
+        sig = signal.SIGINT if reason == "SIGINT" else signal.SIGTERM
+        child.signal_group(sig)
+        self._checkpoint_at_stop = self.last_checkpoint
+        if reason in ("SIGTERM", "SIGINT") and self.metrics is not None:
+            self.metrics.preemption_notice("sigterm")
+        left = self.controller.time_left()
+        log.warning(
+            "%s: forwarded %s to the trainer; %s",
+            reason,
+            sig.name,
+            f"{left:.1f} s of grace left" if left is not None else "no deadline",
+        )
+        return time.monotonic()
+
+    def _finish_stop(self, code: int, stop_sent_at: float) -> int:
+        took = time.monotonic() - stop_sent_at
+        grace = self.config.grace_seconds
+        ckpt = self.last_checkpoint
+        if ckpt is None:
+            log.error("trainer stopped (%s) without committing any checkpoint", describe_exit(code))
+        else:
+            fresh = ckpt is not self._checkpoint_at_stop
+            log.warning(
+                "trainer stopped (%s) %.1f s after the stop signal (grace %.0f s); "
+                "%s checkpoint: step %d",
+                describe_exit(code),
+                took,
+                grace,
+                "final" if fresh else "newest (no new one was written)",
+                ckpt.step,
+            )
+            if self.mirror is not None:
+                ok = self.mirror.upload_now(ckpt, deadline=self.controller.deadline)
+                log.warning(
+                    "final checkpoint step %d %s the mirror",
+                    ckpt.step,
+                    "is in" if ok else "did NOT reach",
+                )
+        if self.controller.stop_count > 1:
+            log.info("%d stop requests received; the first one decided", self.controller.stop_count)
+        return EXIT_PREEMPTED
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _adopt(self, *, settled: bool) -> list[Adopted]:
+        adopted = self.adopter.scan(settled=settled)
+        for item in adopted:
+            ckpt = item.checkpoint
+            self.last_checkpoint = ckpt
+            if self.metrics is not None:
+                self.metrics.checkpoint_saved(
+                    step=ckpt.step, duration_s=item.seconds, size_bytes=ckpt.manifest.total_bytes
+                )
+            if self.mirror is not None and not self.controller.stop_requested:
+                self.mirror.submit(ckpt)  # the final one is uploaded in _finish_stop
+        if adopted:
+            prune(
+                FileStorage(self.run_dir),
+                keep=self.config.keep,
+                newest_ok=adopted[-1].checkpoint.step,
+            )
+        if self.adopter.rejected and self.metrics is not None:
+            for _ in self.adopter.rejected:
+                self.metrics.checkpoint_failed("verify")
+            self.adopter.rejected.clear()
+        return adopted
+
+    def _child_env(self, resume: ResumePoint | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env[ENV_RUN_DIR] = str(self.run_dir)
+        env[ENV_CKPT_DIR] = str(self.ckpt_dir)
+        env[ENV_RESUME_FROM] = str(resume.payload) if resume else ""
+        env[ENV_RESUME_STEP] = str(resume.step) if resume else ""
+        env[ENV_ATTEMPT] = str(self.attempts)
+        return env
+
+    def _steps_lost(self, resume: ResumePoint | None) -> int:
+        """Steps the crashed attempt logged past the checkpoint we resume from (when the
+        trainer keeps loss.jsonl; 0 otherwise)."""
+        logged = LossLog(self.run_dir).read()
+        if not logged:
+            return 0
+        return max(0, max(logged) - (resume.step if resume else 0))
