@@ -8,11 +8,16 @@ half-way leaves debris readers ignore, never a manifest naming missing files.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+from uuid import uuid4
 
-from runner.checkpoint.layout import checkpoint_key, manifest_key
+from runner.checkpoint.atomic import fsync_dir
+from runner.checkpoint.layout import TMP_PREFIX, checkpoint_key, manifest_key
 from runner.checkpoint.reader import list_checkpoints, newest_verified
 from runner.errors import ConfigError
 from runner.storage.base import Storage
+from runner.storage.file import FileStorage
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,22 @@ def prune(
 
 
 def delete_checkpoint(storage: Storage, step: int) -> None:
-    """Manifest first (the checkpoint ceases to exist), then every other object under it."""
+    """Manifest first (the checkpoint ceases to exist), then every other object under it.
+
+    In a local directory the whole step dir is first renamed to a `.tmp-` name, so it vanishes
+    at once and a crash leaves only a temp dir that `cleanup_partial` removes."""
+    if isinstance(storage, FileStorage):
+        step_dir = storage.root / checkpoint_key(step)
+        aside = step_dir.with_name(
+            f"{TMP_PREFIX}{step_dir.name}-{os.getpid()}-pruned-{uuid4().hex[:8]}"
+        )
+        try:
+            os.rename(step_dir, aside)
+        except FileNotFoundError:
+            return
+        fsync_dir(step_dir.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
     storage.delete(manifest_key(step))
     for info in list(storage.list(f"{checkpoint_key(step)}/")):
         storage.delete(info.key)
