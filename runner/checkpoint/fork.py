@@ -29,6 +29,7 @@ from runner.errors import (
     RunnerError,
     StorageNotFoundError,
 )
+from runner.mirror.remote_layout import to_local
 from runner.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,10 @@ def _refuse_existing_run(dst: Path) -> None:
 
 
 def _copy_checkpoint(src: Storage, step: int, *, writer: CheckpointWriter) -> CommittedCheckpoint:
-    manifest = read_manifest(src, step)
+    remote = read_manifest(src, step)
     base = checkpoint_key(step)
+    # a mirror keeps payload under a per-upload directory; the fork gets the writer's layout
+    manifest = to_local(remote, source=f"{src.uri}/{base}")
     forked_from = {"location": src.uri, "run_id": manifest.run_id, "step": step}
     meta = CheckpointMeta(
         step=manifest.step,
@@ -98,7 +101,10 @@ def _copy_checkpoint(src: Storage, step: int, *, writer: CheckpointWriter) -> Co
         fingerprint=manifest.fingerprint,
         extra={**manifest.extra, "forked_from": forked_from},
     )
-    sources = {f.path: partial(src.open_read, f"{base}/{f.path}") for f in manifest.files}
+    sources = {
+        f.path: partial(src.open_read, f"{base}/{r.path}")
+        for f, r in zip(manifest.files, remote.files, strict=True)
+    }
     expected = {f.path: (f.size, f.sha256) for f in manifest.files}
     try:
         return writer.copy_streams(sources, meta=meta, format=manifest.format, expected=expected)

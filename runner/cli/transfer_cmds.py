@@ -1,0 +1,113 @@
+"""`runner push RUN_DIR LOCATION` and `runner pull LOCATION DEST`: move committed checkpoints
+between a run dir and a mirror (s3:// or file://), verified both ways."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from runner.errors import IntegrityError, NoVerifiedCheckpointError, StorageNotFoundError
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("location")
+@click.option("--step", type=int, default=None, help="Push only this step (default: all).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
+    """Upload the committed checkpoints of RUN_DIR to LOCATION (manifest last, each file
+    verified). Checkpoints already there are skipped; corrupt local ones are reported, not
+    sent, and make the command exit 3."""
+    from runner.checkpoint.layout import checkpoint_key
+    from runner.checkpoint.reader import list_checkpoints, verify_dir
+    from runner.errors import RunnerError
+    from runner.mirror import remote_manifest, upload_checkpoint
+    from runner.progress import transfer_progress
+    from runner.storage import open_storage
+    from runner.storage.file import FileStorage
+
+    storage = open_storage(location)
+    steps = list_checkpoints(FileStorage(run_dir))
+    if step is not None:
+        if step not in steps:
+            raise NoVerifiedCheckpointError(f"{run_dir} has no checkpoint at step {step}")
+        steps = [step]
+    if not steps:
+        raise NoVerifiedCheckpointError(f"{run_dir} has no committed checkpoints to push")
+    report: list[dict[str, Any]] = []
+    corrupt: list[int] = []
+    for s in steps:
+        step_dir = run_dir / checkpoint_key(s)
+        try:
+            manifest = verify_dir(step_dir)
+        except RunnerError as exc:
+            corrupt.append(s)
+            report.append({"step": s, "status": "corrupt", "error": str(exc)})
+            if not as_json:
+                click.echo(f"step {s}: not pushed, corrupt locally: {exc}", err=True)
+            continue
+        status = "present" if remote_manifest(storage, s) is not None else "pushed"
+        with transfer_progress(manifest.total_bytes, desc=f"push step {s}") as progress:
+            upload_checkpoint(storage, step_dir, writer_id="runner-push", progress=progress)
+        report.append({"step": s, "status": status, "bytes": manifest.total_bytes})
+        if not as_json:
+            verb = "already in" if status == "present" else "pushed to"
+            click.echo(f"step {s}: {verb} {storage.uri} ({manifest.total_bytes} bytes)")
+    if as_json:
+        click.echo(json.dumps({"location": storage.uri, "checkpoints": report}, indent=2))
+    if corrupt:
+        raise IntegrityError(
+            f"{len(corrupt)} corrupt local checkpoint(s) not pushed: steps "
+            f"{', '.join(map(str, corrupt))}"
+        )
+
+
+@click.command()
+@click.argument("location")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--step", type=int, default=None, help="Pull this step (default: newest that verifies)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
+    """Download a checkpoint from LOCATION into the run dir DEST, verifying every sha256.
+    Without --step: the newest one that verifies; corrupt newer ones are reported and
+    skipped. Exit 3 when nothing verifies."""
+    from runner.checkpoint.reader import list_checkpoints, read_manifest
+    from runner.mirror import download_checkpoint
+    from runner.progress import transfer_progress
+    from runner.storage import open_storage
+
+    storage = open_storage(location)
+    available = list_checkpoints(storage)
+    if step is not None:
+        if step not in available:
+            raise NoVerifiedCheckpointError(f"{storage.uri} has no checkpoint at step {step}")
+        candidates = [step]
+    else:
+        candidates = list(reversed(available))
+    if not candidates:
+        raise NoVerifiedCheckpointError(f"{storage.uri} has no checkpoints")
+    skipped: list[dict[str, Any]] = []
+    for s in candidates:
+        try:
+            total = read_manifest(storage, s).total_bytes
+            with transfer_progress(total, desc=f"pull step {s}") as progress:
+                path = download_checkpoint(storage, s, dest, progress=progress)
+        except (IntegrityError, StorageNotFoundError) as exc:
+            skipped.append({"step": s, "error": str(exc)})
+            if not as_json:
+                click.echo(f"step {s}: skipped, {exc}", err=True)
+            continue
+        if as_json:
+            click.echo(json.dumps({"step": s, "path": str(path), "skipped": skipped}, indent=2))
+        else:
+            click.echo(f"pulled step {s} from {storage.uri} into {path} ({total} bytes)")
+        return
+    raise NoVerifiedCheckpointError(
+        f"no checkpoint at {storage.uri} verified (tried steps "
+        f"{', '.join(str(x['step']) for x in skipped)})"
+    )
