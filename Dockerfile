@@ -25,10 +25,11 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 # The project installs into the base's own Python environment, where torch already is, so pip
 # never resolves (and downloads) another torch. dumb-init comes from PyPI as a static binary so
 # one recipe works on Debian, Ubuntu and conda-based images alike; the pip cache is a BuildKit
-# cache mount and never lands in a layer.
-RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+# cache mount and the wheel a bind mount (on /mnt, which exists in every base): neither
+# lands in a layer.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/mnt \
     --mount=type=cache,target=/root/.cache/pip \
-    python3 -m pip install /wheels/*.whl "dumb-init==${DUMB_INIT_VERSION}" \
+    python3 -m pip install /mnt/*.whl "dumb-init==${DUMB_INIT_VERSION}" \
     && python3 -c "import runner, torch" \
     && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin runner \
     && mkdir -p /data/run \

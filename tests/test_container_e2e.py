@@ -1,0 +1,228 @@
+"""The image under a real Docker engine, against a real S3 server (SeaweedFS on loopback,
+reached with `--network host`).
+
+The preempted container is started from the Kubernetes single-gpu Job translated into
+`docker run` (args, ConfigMap env, security context, mounts) and stopped with
+`docker stop -t <terminationGracePeriodSeconds>`, so the manifests and the image cannot drift
+apart. The other containers use `docker run IMAGE runner demo --flags` directly."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.docker import (
+    Docker,
+    docker_spec_from_job,
+    render_overlay,
+    writable_run_dir,
+)
+from tests.fixtures.s3 import SeaweedS3, free_ports
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 40
+CKPT_EVERY = 10
+EXIT_PREEMPTED = 75
+EXIT_SIGKILL = 137
+
+
+def env_args(env: dict[str, str]) -> list[str]:
+    return [arg for key, value in sorted(env.items()) for arg in ("-e", f"{key}={value}")]
+
+
+def loss_steps(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "loss.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [line for line in lines if "step" in line and "loss" in line]
+
+
+def wait_for_step(docker: Docker, container: str, run_dir: Path, step: int) -> None:
+    """Until loss.jsonl (on the bind mount) reaches `step`; fails if the container exits."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if max((line["step"] for line in loss_steps(run_dir)), default=0) >= step:
+            return
+        if not docker.inspect(container)["State"]["Running"]:
+            pytest.fail(f"container exited before step {step}:\n{docker.logs(container)[-3000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"step {step} not reached in 300 s:\n{docker.logs(container)[-3000:]}")
+
+
+def local_steps(run_dir: Path) -> list[int]:
+    ckpts = run_dir / "checkpoints"
+    return sorted(
+        int(p.name.removeprefix("step_"))
+        for p in ckpts.glob("step_*")
+        if (p / "manifest.json").is_file()
+    )
+
+
+def remote_steps(s3: Any, bucket: str, prefix: str) -> list[int]:
+    keys = [
+        obj["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=f"{prefix}/checkpoints/"
+        )
+        for obj in page.get("Contents", [])
+    ]
+    return sorted(
+        int(key.split("/")[-2].removeprefix("step_"))
+        for key in keys
+        if key.endswith("/manifest.json")
+    )
+
+
+def remote_manifest_bytes(s3: Any, bucket: str, prefix: str, step: int) -> bytes:
+    key = f"{prefix}/checkpoints/step_{step:06d}/manifest.json"
+    body: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    return body
+
+
+def assert_remote_checkpoint_complete(s3: Any, bucket: str, prefix: str, step: int) -> None:
+    """Every file the manifest lists is in the bucket with its size (sha256 is the runner's
+    own check; sizes and presence are checked here independently)."""
+    manifest = json.loads(remote_manifest_bytes(s3, bucket, prefix, step))
+    for entry in manifest["files"]:
+        key = f"{prefix}/checkpoints/step_{step:06d}/{entry['path']}"
+        assert s3.head_object(Bucket=bucket, Key=key)["ContentLength"] == entry["size"]
+
+
+def demo_container(
+    docker: Docker, image: str, s3: SeaweedS3, *, run_dir: Path, mirror: str, ckpt_every: int
+) -> str:
+    return docker.start(
+        image,
+        run_args=["--network", "host", "-v", f"{run_dir}:/data", *env_args(s3.env())],
+        command=[
+            "runner",
+            "demo",
+            "--run-dir",
+            "/data/run",
+            "--mirror",
+            mirror,
+            "--steps",
+            str(STEPS),
+            "--ckpt-every",
+            str(ckpt_every),
+        ],
+    )
+
+
+def test_docker_stop_checkpoints_to_the_bucket_and_a_fresh_container_resumes(
+    docker: Docker, runner_image: str, s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    bucket = s3_server.create_bucket()
+    s3 = s3_server.client()
+
+    # The uninterrupted run: its final fingerprint is what the preempted run must reach.
+    reference = demo_container(
+        docker,
+        runner_image,
+        s3_server,
+        run_dir=writable_run_dir(tmp_path / "reference"),
+        mirror=f"s3://{bucket}/reference",
+        ckpt_every=CKPT_EVERY,
+    )
+    assert docker.wait(reference, timeout=600) == 0, docker.logs(reference)[-3000:]
+    expected = json.loads(remote_manifest_bytes(s3, bucket, "reference", STEPS))["fingerprint"]
+
+    # Node 1: the Kubernetes container spec, preempted by `docker stop`.
+    node1 = writable_run_dir(tmp_path / "node1")
+    (metrics_port,) = free_ports(1)
+    secret = s3_server.env()
+    spec = docker_spec_from_job(
+        render_overlay("single-gpu"),
+        secret_env={k: secret[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+        overrides={
+            # What a user sets per cluster: their bucket and endpoint, and a short run.
+            "RUNNER_MIRROR": f"s3://{bucket}/preempted",
+            "AWS_ENDPOINT_URL_S3": s3_server.endpoint,
+            "RUNNER_STEPS": str(STEPS),
+            "RUNNER_CKPT_EVERY": str(CKPT_EVERY),
+            # host networking shares the port space with the rest of the machine
+            "RUNNER_METRICS_PORT": str(metrics_port),
+            **{k: v for k, v in secret.items() if k.startswith("AWS_") and "KEY" not in k},
+        },
+        mounts={"/data": str(node1)},
+    )
+    assert spec.command == ["runner", "demo"]
+    assert spec.stop_grace_s > float(spec.env["RUNNER_GRACE_SECONDS"])
+    preempted = docker.start(
+        runner_image, run_args=["--network", "host", *spec.run_args], command=spec.command
+    )
+    run1 = node1 / "run"
+    wait_for_step(docker, preempted, run1, CKPT_EVERY + 2)
+    healthcheck = docker("exec", preempted, "python3", "/usr/local/lib/spot-runner/healthcheck.py")
+    assert healthcheck.returncode == 0
+    assert docker.stop(preempted, grace_s=spec.stop_grace_s) == EXIT_PREEMPTED, docker.logs(
+        preempted
+    )[-3000:]
+
+    # The final checkpoint is the step reached, committed locally and durable in the bucket.
+    reached = max(line["step"] for line in loss_steps(run1))
+    assert CKPT_EVERY < reached < STEPS
+    assert local_steps(run1)[-1] == reached
+    assert remote_steps(s3, bucket, "preempted")[-1] == reached
+    assert (
+        remote_manifest_bytes(s3, bucket, "preempted", reached)
+        == (run1 / "checkpoints" / f"step_{reached:06d}" / "manifest.json").read_bytes()
+    )
+    assert_remote_checkpoint_complete(s3, bucket, "preempted", reached)
+
+    # Node 2: a fresh, empty volume; only the bucket carries the state over.
+    node2 = writable_run_dir(tmp_path / "node2")
+    resumed = demo_container(
+        docker,
+        runner_image,
+        s3_server,
+        run_dir=node2,
+        mirror=f"s3://{bucket}/preempted",
+        ckpt_every=CKPT_EVERY,
+    )
+    assert docker.wait(resumed, timeout=600) == 0, docker.logs(resumed)[-3000:]
+    final = json.loads(remote_manifest_bytes(s3, bucket, "preempted", STEPS))
+    assert final["fingerprint"] == expected
+    # It resumed rather than retrained: node 2 trained exactly the steps after `reached`.
+    node1_attempts = {line.get("attempt") for line in loss_steps(run1)}
+    trained_on_node2 = sorted(
+        line["step"]
+        for line in loss_steps(node2 / "run")
+        if line.get("attempt") not in node1_attempts
+    )
+    assert trained_on_node2 == list(range(reached + 1, STEPS + 1))
+    print(f"[docker] container e2e sequence: {time.monotonic() - started:.1f} s")
+
+
+def test_docker_stop_t0_loses_only_the_steps_since_the_last_periodic_checkpoint(
+    docker: Docker, runner_image: str, s3_server: SeaweedS3, tmp_path: Path
+) -> None:
+    bucket = s3_server.create_bucket()
+    s3 = s3_server.client()
+    every = 5
+    node = writable_run_dir(tmp_path / "node")
+    container = demo_container(
+        docker, runner_image, s3_server, run_dir=node, mirror=f"s3://{bucket}/k", ckpt_every=every
+    )
+    run_dir = node / "run"
+    wait_for_step(docker, container, run_dir, 2 * every + 2)
+    # SIGKILL at once: no final checkpoint.
+    assert docker.stop(container, grace_s=0) == EXIT_SIGKILL
+
+    reached = max(line["step"] for line in loss_steps(run_dir))
+    local = local_steps(run_dir)
+    assert local and all(step % every == 0 for step in local), local
+    assert 0 <= reached - local[-1] < every
+    remote = remote_steps(s3, bucket, "k")
+    assert remote and all(step % every == 0 for step in remote), remote
+    # The newest periodic checkpoint may still have been uploading when the kill came; the
+    # one before it is in the bucket, complete.
+    assert remote[-1] >= local[-1] - every
+    assert_remote_checkpoint_complete(s3, bucket, "k", remote[-1])
