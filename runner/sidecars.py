@@ -177,6 +177,36 @@ class LossLog:
         return records
 
 
+class LossFollower:
+    """Follows a loss.jsonl another process appends to (the supervisor watching its trainer):
+    `poll()` returns the step of the newest complete loss line written since the last poll."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LOSS_FILE
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> int | None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        newest = None
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int) and not isinstance(step, bool):
+                newest = step
+        return newest
+
+
 def pivot(run_dir: Path, *, now: datetime | None = None) -> list[Path]:
     """Archive samples.json and state.json under RUN_DIR/archive/<timestamp>/ and reset them.
 

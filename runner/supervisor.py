@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -32,7 +33,7 @@ from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, ChildFailedError, ConfigError
 from runner.preemption.stop import StopController
-from runner.sidecars import LossLog
+from runner.sidecars import LossFollower, LossLog
 from runner.storage.file import FileStorage
 from runner.supervisor_adopt import Adopted, ResolveResume, ResumePoint, SeedAdopter, find_resume
 from runner.supervisor_child import (
@@ -58,6 +59,8 @@ class MirrorHook(Protocol):
 
     def upload_now(self, ckpt: CommittedCheckpoint, *, deadline: float | None = None) -> bool: ...
 
+    def wait_idle(self, timeout: float | None = None) -> bool: ...
+
 
 class MetricsHook(Protocol):
     """What the supervisor reports (runner.metrics.RunnerMetrics fits)."""
@@ -69,6 +72,10 @@ class MetricsHook(Protocol):
     def preemption_notice(self, source: str) -> None: ...
 
     def resumed(self, *, steps_lost: int = 0) -> None: ...
+
+    def train_step(self, step: int) -> None: ...
+
+    def checkpoint_found(self, *, location: str, step: int, created_at: float) -> None: ...
 
 
 class ChildCrashed(Exception):
@@ -119,6 +126,8 @@ class Supervisor:
         self.last_checkpoint: CommittedCheckpoint | None = None
         self._checkpoint_at_stop: CommittedCheckpoint | None = None
         self.attempts = 0
+        self._loss = LossFollower(self.run_dir)
+        self._step_from_loss = False
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -175,8 +184,14 @@ class Supervisor:
             return EXIT_PREEMPTED
         self.attempts += 1
         resume = find_resume(self.run_dir, resolve=self.resolve_resume)
-        if self.attempts > 1 and self.metrics is not None:
-            self.metrics.resumed(steps_lost=self._steps_lost(resume))
+        self._report_resume(resume)
+        # Steps the last attempt logged past this checkpoint are lost: mark them superseded
+        # in loss.jsonl, for trainers that keep one without knowing the marker rule.
+        with LossLog(self.run_dir, attempt=f"{self.config.writer_id}/{self.attempts}") as losses:
+            losses.mark_resume(resume.step if resume else 0)
+        # A SIGUSR1 that arrived while no trainer ran is dropped: forwarded to a new process
+        # before it installs its handler, it would kill it (SIGUSR1's default action).
+        self.controller.take_checkpoint_request()
         child = ChildProcess(
             self.command,
             env=self._child_env(resume),
@@ -195,8 +210,11 @@ class Supervisor:
         self._adopt(settled=True)
         if stop_sent_at is not None:
             return self._finish_stop(code, stop_sent_at)
+        self._report_step()
         if code == EXIT_OK:
             log.info("trainer finished (exit 0)")
+            if self.mirror is not None and not self.mirror.wait_idle(self.config.grace_seconds):
+                log.error("uploads to the mirror did not finish; the mirror may lag the run dir")
             return EXIT_OK
         if code == EXIT_PREEMPTED:
             log.warning("trainer exited 75 on its own (preempted); passing it on")
@@ -223,6 +241,7 @@ class Supervisor:
                 child.signal_group(signal.SIGKILL)
                 killed = True
             self._adopt(settled=False)
+            self._report_step()
             wait = self.scan_interval
             if time_left is not None and not killed:
                 wait = max(0.0, min(wait, time_left))
@@ -279,6 +298,8 @@ class Supervisor:
         for item in adopted:
             ckpt = item.checkpoint
             self.last_checkpoint = ckpt
+            if self.metrics is not None and not self._step_from_loss:
+                self.metrics.train_step(ckpt.step)  # the best we know without a loss log
             if self.metrics is not None:
                 self.metrics.checkpoint_saved(
                     step=ckpt.step, duration_s=item.seconds, size_bytes=ckpt.manifest.total_bytes
@@ -296,6 +317,27 @@ class Supervisor:
                 self.metrics.checkpoint_failed("verify")
             self.adopter.rejected.clear()
         return adopted
+
+    def _report_resume(self, resume: ResumePoint | None) -> None:
+        if self.metrics is None:
+            return
+        if resume is not None and self.attempts == 1:
+            created = datetime.fromisoformat(resume.manifest.created_at.replace("Z", "+00:00"))
+            self.metrics.checkpoint_found(
+                location="local", step=resume.step, created_at=created.timestamp()
+            )
+        if self.attempts > 1 or resume is not None:
+            self.metrics.resumed(steps_lost=self._steps_lost(resume))
+        if resume is not None:
+            self.metrics.train_step(resume.step)
+
+    def _report_step(self) -> None:
+        """The trainer's step, from its loss.jsonl when it keeps one."""
+        step = self._loss.poll()
+        if step is not None:
+            self._step_from_loss = True
+            if self.metrics is not None:
+                self.metrics.train_step(step)
 
     def _child_env(self, resume: ResumePoint | None) -> dict[str, str]:
         env = dict(os.environ)

@@ -2,7 +2,8 @@
  *
  * It trains n parameters with a deterministic AdamW-style update and writes seed-format
  * checkpoints (step_NNNNNN.bin: int32 step, int32 n, n f32 weights, n f32 m, n f32 v) into
- * $RUNNER_CKPT_DIR under a temp name, then renames them. It resumes from $RUNNER_RESUME_FROM.
+ * $RUNNER_CKPT_DIR under a temp name, then renames them. It resumes from $RUNNER_RESUME_FROM
+ * and appends each step's loss to $RUNNER_RUN_DIR/loss.jsonl.
  *   SIGUSR1          -> checkpoint at the end of the step, keep going
  *   SIGTERM / SIGINT -> checkpoint at the end of the step, exit 0
  * Usage: seed_trainer TOTAL_STEPS N_PARAMS STEP_MS CKPT_EVERY
@@ -63,6 +64,9 @@ int main(int argc, char **argv) {
     int every = atoi(argv[4]);
     const char *dir = getenv("RUNNER_CKPT_DIR");
     const char *resume = getenv("RUNNER_RESUME_FROM");
+    const char *run_dir = getenv("RUNNER_RUN_DIR");
+    char loss_path[4096] = "";
+    if (run_dir && *run_dir) snprintf(loss_path, sizeof loss_path, "%s/loss.jsonl", run_dir);
     if (!dir || !*dir) { fprintf(stderr, "RUNNER_CKPT_DIR is not set\n"); return 2; }
 
     struct sigaction sa;
@@ -119,6 +123,13 @@ int main(int argc, char **argv) {
         }
         printf("step %d loss %.6f\n", step, loss / n);
         fflush(stdout);
+        if (*loss_path) {
+            FILE *lf = fopen(loss_path, "a");
+            if (lf) {
+                fprintf(lf, "{\"step\": %d, \"loss\": %.9g}\n", step, loss / n);
+                fclose(lf);
+            }
+        }
         while (nanosleep(&nap, &nap) == -1 && errno == EINTR) {}
         nap.tv_sec = step_ms / 1000;
         nap.tv_nsec = (long)(step_ms % 1000) * 1000000L;
