@@ -22,20 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from runner.checkpoint.atomic import HashingFileWriter, read_chunks
 from runner.checkpoint.layout import parse_seed_bin, seed_bin_name
 from runner.checkpoint.manifest import FORMAT_SEED_BIN
 from runner.errors import IntegrityError, SchemaError
 
 if TYPE_CHECKING:
+    import torch
+
     from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 
 HEADER = struct.Struct("<ii")
 INT32_MAX = 2**31 - 1
-_F32 = np.dtype("<f4")
+_F32 = "<f4"  # numpy dtype string; numpy and torch are imported only where arrays are made
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,12 +147,16 @@ def _param_index(state: dict[str, Any], *, source: str) -> tuple[list[str], list
 
 
 def _f32_bytes(tensor: torch.Tensor) -> memoryview:
+    import torch
+
     array = tensor.detach().to("cpu", torch.float32).contiguous().numpy()
     return array.astype(_F32, copy=False).data.cast("B")
 
 
 def iter_seed_chunks(state: dict[str, Any], *, source: str = "state") -> Iterator[memoryview]:
     """The seed file of a v2 train state as a stream of chunks, one tensor at a time."""
+    import torch
+
     names, ids = _param_index(state, source=source)
     model = state["model"]
     opt_state = state["optimizer"].get("state", {})
@@ -188,6 +191,9 @@ def write_seed_file(state: dict[str, Any], dst: Path, *, source: str = "state") 
 
 
 def _read_region(f: Any, *, offset: int, numel: int) -> torch.Tensor:
+    import numpy as np
+    import torch
+
     out = np.empty(numel, dtype=_F32)
     f.seek(offset)
     if f.readinto(out.data.cast("B")) != numel * 4:
@@ -199,6 +205,8 @@ def seed_to_state(path: Path, *, like: dict[str, Any]) -> dict[str, Any]:
     """Map a seed file onto a v2 train state shaped like `like` (e.g. the state captured from
     a freshly built model and AdamW): parameters and moments come from the file, everything
     else (RNG, sampler, scheduler) from `like`."""
+    import torch
+
     path = Path(path)
     header = read_header(path)
     names, ids = _param_index(like, source=str(path))
