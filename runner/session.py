@@ -207,6 +207,7 @@ class TrainSession:
         self.writer.run_id = manifest.run_id
         lost = self._steps_lost(counters.step)
         self.loss_log.mark_resume(counters.step)
+        self._backfill_loss_log()
         self.policy = self._policy(start_step=counters.step)
         if self.metrics is not None:
             self.metrics.resumed(steps_lost=lost)
@@ -235,6 +236,17 @@ class TrainSession:
 
         manifest = newest_verified(FileStorage(self.run_dir), on_skip=on_skip)
         return None if manifest is None else local_step_dir(self.run_dir, manifest.step)
+
+    def _backfill_loss_log(self) -> None:
+        """On a fresh node loss.jsonl is gone with the old disk; the checkpoint carries the
+        history that led to it, so the sidecar is rebuilt from there."""
+        logged = self.loss_log.read()
+        history = self.state.loss_history
+        missing = [s for s in range(1, len(history) + 1) if s not in logged]
+        for step in missing:
+            self.loss_log.append(step, history[step - 1])
+        if missing:
+            log.info("loss.jsonl: restored %d entries from the checkpoint", len(missing))
 
     def _steps_lost(self, resume_step: int) -> int:
         logged = self.loss_log.read()
