@@ -60,7 +60,7 @@ def run_demo(
         return code
     finally:
         if poller is not None:
-            poller.stop()
+            poller.close()
         if server is not None:
             server.close()
         stop.close()
