@@ -1,0 +1,203 @@
+"""Checkpoint save/load throughput against the two baselines, side by side in one run.
+
+A train state of N parameters (default 120M, the seeds' ANDREA-120M: weights + AdamW m and v,
+~1.44 GB) is written three ways to the same directory:
+
+  raw        the same tensor bytes written sequentially to one file, then fsync
+  torch.save torch.save(state, path), then fsync
+  runner     CheckpointWriter.write_state: stream + sha256 in the same pass, fsync, manifest,
+             directory rename, directory fsyncs
+
+and read back three ways, each from a cold page cache for that file (posix_fadvise DONTNEED):
+
+  raw        sequential read of the raw file into preallocated buffers
+  torch.load torch.load(weights_only=True)
+  runner     load_state: size + sha256 of every file, then torch.load(weights_only=True)
+
+Usage: python benchmarks/save.py [--params 120000000] [--repeat 1] [--dir PATH]
+Ratios > 1 mean faster than the baseline (throughput ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.checkpoint.reader import load_state
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
+
+TENSOR_PARAMS = 8_000_000  # parameters per tensor: a 120M model is ~15 big matrices
+
+
+def build_state(n_params: int) -> dict[str, Any]:
+    sizes = [TENSOR_PARAMS] * (n_params // TENSOR_PARAMS)
+    if n_params % TENSOR_PARAMS:
+        sizes.append(n_params % TENSOR_PARAMS)
+    gen = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.weight": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
+    opt_state = {
+        i: {
+            "step": torch.tensor(100.0),
+            "exp_avg": torch.randn(n, generator=gen),
+            "exp_avg_sq": torch.rand(n, generator=gen),
+        }
+        for i, n in enumerate(sizes)
+    }
+    return {
+        "schema": "2",
+        "model": model,
+        "param_names": list(model),
+        "optimizer": {"state": opt_state, "param_groups": [{"params": list(range(len(sizes)))}]},
+        "counters": {
+            "step": 100,
+            "epoch": 0,
+            "batch_in_epoch": 100,
+            "samples_seen": 3200,
+            "world_size": 1,
+        },
+        "extra": {},
+    }
+
+
+def tensors_of(state: dict[str, Any]) -> list[torch.Tensor]:
+    out = list(state["model"].values())
+    for entry in state["optimizer"]["state"].values():
+        out += [entry["exp_avg"], entry["exp_avg_sq"]]
+    return out
+
+
+def drop_cache(path: Path) -> None:
+    """Evict one file's pages so the next read comes from disk (affects only this file)."""
+    for p in [path] if path.is_file() else path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def save_raw(state: dict[str, Any], path: Path) -> None:
+    with open(path, "wb") as f:
+        for t in tensors_of(state):
+            f.write(t.numpy().data.cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_torch(state: dict[str, Any], path: Path) -> None:
+    torch.save(state, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_runner(state: dict[str, Any], ckpt_dir: Path) -> Path:
+    writer = CheckpointWriter(ckpt_dir, run_id="bench", writer_id="bench")
+    meta = CheckpointMeta(
+        step=100, samples_seen=3200, world_size=1, epoch=0, batch_in_epoch=100, fingerprint="0" * 64
+    )
+    return writer.write_state(state, meta=meta).path
+
+
+def load_raw(path: Path, buffers: list[torch.Tensor]) -> None:
+    with open(path, "rb", buffering=0) as f:
+        for t in buffers:
+            view = t.numpy().data.cast("B")
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise EOFError(path)
+                got += n
+
+
+def one_round(state: dict[str, Any], base: Path) -> dict[str, float]:
+    """Each variant once, in the same order, on the same bytes; seconds per variant."""
+    raw, tsave, ckpts = base / "raw.bin", base / "torch.pt", base / "checkpoints"
+    for p in (raw, tsave):
+        p.unlink(missing_ok=True)
+    shutil.rmtree(ckpts, ignore_errors=True)
+    seconds: dict[str, float] = {}
+
+    def clock(name: str, start: float) -> None:
+        seconds[name] = time.perf_counter() - start
+
+    gc.collect()
+    start = time.perf_counter()
+    save_raw(state, raw)
+    clock("save raw", start)
+    start = time.perf_counter()
+    save_torch(state, tsave)
+    clock("save torch", start)
+    start = time.perf_counter()
+    step_dir = save_runner(state, ckpts)
+    clock("save runner", start)
+
+    buffers = [torch.empty_like(t) for t in tensors_of(state)]
+    drop_cache(raw)
+    start = time.perf_counter()
+    load_raw(raw, buffers)
+    clock("load raw", start)
+    del buffers
+    gc.collect()
+    drop_cache(tsave)
+    start = time.perf_counter()
+    loaded = torch.load(tsave, weights_only=True, map_location="cpu")
+    clock("load torch", start)
+    del loaded
+    gc.collect()
+    drop_cache(step_dir)
+    start = time.perf_counter()
+    loaded = load_state(step_dir)
+    clock("load runner", start)
+    del loaded
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=int, default=120_000_000)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: cwd)")
+    args = parser.parse_args()
+
+    state = build_state(args.params)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
+    print(f"state: {args.params:,} parameters, {nbytes / 1e9:.2f} GB of tensors (weights, m, v)")
+    base = Path(tempfile.mkdtemp(prefix="bench-save-", dir=args.dir or Path.cwd()))
+    results: dict[str, list[float]] = {}
+    try:
+        for _ in range(args.repeat):
+            for key, value in one_round(state, base).items():
+                results.setdefault(key, []).append(value)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    best = {k: min(v) for k, v in results.items()}
+    print(f"{'':12} {'seconds':>8} {'GB/s':>7}")
+    for key, seconds in best.items():
+        print(f"{key:12} {seconds:8.2f} {nbytes / seconds / 1e9:7.2f}")
+    print(
+        f"save: runner / raw write = {best['save raw'] / best['save runner']:.2f}x, "
+        f"runner / torch.save = {best['save torch'] / best['save runner']:.2f}x"
+    )
+    print(
+        f"load: runner / raw read = {best['load raw'] / best['load runner']:.2f}x, "
+        f"runner / torch.load = {best['load torch'] / best['load runner']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
