@@ -16,7 +16,12 @@ from runner.errors import (
     StorageNotFoundError,
     StorageTransientError,
 )
-from runner.mirror.remote_layout import new_attempt_id, same_checkpoint, to_remote
+from runner.mirror.remote_layout import (
+    ATTEMPT_FIELD,
+    new_attempt_id,
+    same_checkpoint,
+    to_remote,
+)
 from runner.storage.base import ProgressCallback, Storage
 
 log = logging.getLogger(__name__)
@@ -82,8 +87,12 @@ def upload_checkpoint(
                 job.result()
         storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
     except StorageConflictError:
-        _discard_attempt(storage, base=base, attempt=attempt)
         winner = remote_manifest(storage, local.step)
+        if winner is not None and winner.extra.get(ATTEMPT_FIELD) == attempt:
+            # our own earlier try landed; only its answer was lost (the retry got 412)
+            log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
+            return remote
+        _discard_attempt(storage, base=base, attempt=attempt)
         if winner is not None:
             return _settle_existing(storage, winner, local)
         raise

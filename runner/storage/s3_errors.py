@@ -11,6 +11,7 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     CredentialRetrievalError,
+    HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
@@ -77,7 +78,11 @@ def classify(exc: BaseException, *, bucket: str, key: str, endpoint: str) -> Sto
         return StoragePermanentError(f"no usable AWS credentials for {where}: {_CREDENTIAL_HINT}")
     if isinstance(
         exc,
-        BotoConnectionError | IncompleteReadError | ResponseStreamingError | Urllib3Error,
+        BotoConnectionError
+        | HTTPClientError  # connection closed before a response, read timeouts
+        | IncompleteReadError
+        | ResponseStreamingError
+        | Urllib3Error,
     ):
         return StorageTransientError(f"connection problem with {where}: {exc}")
     if isinstance(exc, ConnectionError | TimeoutError):
