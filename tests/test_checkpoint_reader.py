@@ -228,3 +228,26 @@ def test_verify_works_through_file_uri(tmp_path: Path, save_checkpoint: SaveChec
     storage = open_storage(f"file://{tmp_path / 'run'}")
     assert verify_checkpoint(storage, 5).step == 5
     assert checkpoint_key(5) == "checkpoints/step_000005"
+
+
+def test_load_newest_state_falls_back_past_unloadable_checkpoints(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    from runner.checkpoint.reader import load_newest_state
+
+    good = save_checkpoint(1)
+    unsafe = save_checkpoint(2)
+    torch.save({"schema": "2", "model": _RunsCode(tmp_path / "ran")}, unsafe.path / "state.pt")
+    _refresh_manifest_hashes(unsafe.path)
+    corrupt = save_checkpoint(3)
+    (corrupt.path / "state.pt").write_bytes(b"x")
+    skipped: list[tuple[int, str]] = []
+    found = load_newest_state(tmp_path / "run", on_skip=lambda s, why: skipped.append((s, why)))
+    assert found is not None
+    manifest, state = found
+    assert manifest.step == 1 and manifest.fingerprint == good.manifest.fingerprint
+    assert state_fingerprint(state) == good.manifest.fingerprint
+    assert [s for s, _ in skipped] == [3, 2]
+    assert "size 1 !=" in skipped[0][1] and "weights-only" in skipped[1][1]
+    assert not (tmp_path / "ran").exists()
+    assert load_newest_state(tmp_path / "empty") is None

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from runner.checkpoint.atomic import read_chunks, sha256_file
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
@@ -165,6 +163,8 @@ def verify_dir(step_dir: Path, *, manifest: Manifest | None = None) -> Manifest:
 
 def load_state(step_dir: Path, *, manifest: Manifest | None = None) -> dict[str, Any]:
     """Verify a local checkpoint, then deserialise its train state (schema migrated to v2)."""
+    import torch  # imported here so listing/verifying commands start fast
+
     step_dir = Path(step_dir)
     manifest = verify_dir(step_dir, manifest=manifest)
     listed = {f.path: (f.size, f.sha256) for f in manifest.files}
@@ -193,6 +193,26 @@ def load_state(step_dir: Path, *, manifest: Manifest | None = None) -> dict[str,
     except (RuntimeError, EOFError, ValueError) as exc:
         raise IntegrityError(f"{source}: payload cannot be deserialised ({exc})") from exc
     return migrate_payload(raw, source=source)
+
+
+def load_newest_state(
+    run_dir: Path, *, on_skip: SkipCallback | None = None
+) -> tuple[Manifest, dict[str, Any]] | None:
+    """The newest local checkpoint that verifies *and* loads, with its state; every newer one
+    that fails (corrupt, unknown schema, unsafe payload) is logged and reported to `on_skip`.
+    None when the run dir holds no usable checkpoint."""
+    from runner.storage.file import FileStorage
+
+    for step in reversed(list_checkpoints(FileStorage(Path(run_dir)))):
+        step_dir = local_step_dir(run_dir, step)
+        try:
+            manifest = read_manifest_dir(step_dir)
+            return manifest, load_state(step_dir, manifest=manifest)
+        except RunnerError as exc:
+            log.warning("skipping checkpoint %s: %s", step_dir, exc)
+            if on_skip is not None:
+                on_skip(step, str(exc))
+    return None
 
 
 def local_step_dir(run_dir: Path, step: int) -> Path:
