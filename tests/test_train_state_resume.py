@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,18 @@ def _run_to(demo: DemoComponents, step: int) -> None:
         demo.train_step()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Both sides of the comparison use one intra-op thread: it is the fastest setting on a
+    # shared 2-core machine, and the subprocess is told to use the same.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def straight() -> DemoComponents:
+def straight(one_thread: None) -> DemoComponents:
     demo = _demo()
     _run_to(demo, STEPS)
     return demo
