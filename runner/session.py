@@ -132,7 +132,7 @@ class TrainSession:
         self.state = state
         self.stop = stop or StopController()
         self.metrics = metrics
-        self.mirror = mirror
+        self.mirror = mirror if mirror is not None else _mirror_from_config(config, metrics)
         self.run_dir = Path(config.run_dir)
         self.ckpt_dir = self.run_dir / CHECKPOINTS_DIR
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -375,6 +375,17 @@ class TrainSession:
             elapsed,
             budget,
         )
+
+
+def _mirror_from_config(config: RunConfig, metrics: RunnerMetrics | None) -> Mirror | None:
+    if config.mirror is None:
+        return None
+    from runner.mirror import Mirror
+    from runner.storage import open_storage
+
+    return Mirror(
+        open_storage(config.mirror), keep=config.keep, writer_id=config.writer_id, metrics=metrics
+    )
 
 
 def _parse_created_at(manifest: Manifest) -> float:

@@ -39,10 +39,7 @@ def run_demo(
         components = build_demo(
             seed=config.seed, device=config.device, batch_size=batch_size, total_steps=total
         )
-        mirror = _open_mirror(config, metrics)
-        with TrainSession(
-            config, state=components, stop=stop, metrics=metrics, mirror=mirror
-        ) as session:
+        with TrainSession(config, state=components, stop=stop, metrics=metrics) as session:
             if session.resumed_from is not None:
                 display.checkpoint(session.resumed_from)
             while not session.should_stop:
@@ -65,14 +62,3 @@ def run_demo(
             server.close()
         stop.close()
         restore_signals()
-
-
-def _open_mirror(config: RunConfig, metrics: RunnerMetrics):  # type: ignore[no-untyped-def]
-    if config.mirror is None:
-        return None
-    from runner.mirror import Mirror
-    from runner.storage import open_storage
-
-    return Mirror(
-        open_storage(config.mirror), keep=config.keep, writer_id=config.writer_id, metrics=metrics
-    )
