@@ -229,7 +229,7 @@ class Supervisor:
         while child.poll() is None:
             if self.controller.stop_requested and stop_sent_at is None:
                 stop_sent_at = self._forward_stop(child)
-            if self.controller.take_checkpoint_request() is not None:
+            if self.controller.take_checkpoint_request() is not None and stop_sent_at is None:
                 log.info("forwarding SIGUSR1: the trainer checkpoints and continues")
                 child.signal_group(signal.SIGUSR1)
             time_left = self.controller.time_left()

@@ -133,3 +133,17 @@ def test_pivot_missing_run_dir(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "no such run directory" in result.stderr
+
+
+def test_follower_reports_the_newest_complete_step(tmp_path: Path) -> None:
+    from runner.sidecars import LossFollower
+
+    follower = LossFollower(tmp_path)
+    assert follower.poll() is None  # no file yet
+    path = tmp_path / "loss.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    assert follower.poll() == 2  # the torn line is not counted yet
+    assert follower.poll() is None  # nothing new
+    with open(path, "a") as f:
+        f.write('ss": 0.8}\n{"resume_from": 1}\n')
+    assert follower.poll() == 3

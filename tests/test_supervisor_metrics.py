@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -32,10 +33,19 @@ def _until(check: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.fixture
+def child_log(tmp_path: Path) -> Iterator[BinaryIO]:
+    with open(tmp_path / "child.log", "wb") as f:
+        yield f
+
+
 def _supervisor(
-    tmp_path: Path, command: list[str], metrics: RunnerMetrics, controller: StopController
+    tmp_path: Path,
+    command: list[str],
+    metrics: RunnerMetrics,
+    controller: StopController,
+    log: BinaryIO,
 ) -> Supervisor:
-    log = open(tmp_path / "child.log", "wb")  # noqa: SIM115 - lives as long as the test
     return Supervisor(
         command,
         config=RunConfig(run_dir=tmp_path / "run", max_restarts=2),
@@ -48,12 +58,14 @@ def _supervisor(
     )
 
 
-def test_metrics_follow_checkpoints_steps_and_the_stop(tmp_path: Path, seed_trainer: Path) -> None:
+def test_metrics_follow_checkpoints_steps_and_the_stop(
+    tmp_path: Path, seed_trainer: Path, child_log: BinaryIO
+) -> None:
     registry = CollectorRegistry()
     metrics = RunnerMetrics(registry)
     controller = StopController()
     sup = _supervisor(
-        tmp_path, [str(seed_trainer), "100000", str(N), "5", "10"], metrics, controller
+        tmp_path, [str(seed_trainer), "100000", str(N), "5", "10"], metrics, controller, child_log
     )
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(sup.run()))
@@ -78,13 +90,15 @@ def test_metrics_follow_checkpoints_steps_and_the_stop(tmp_path: Path, seed_trai
 
 
 def test_crash_resume_counts_lost_steps_and_supersedes_them_in_loss_log(
-    tmp_path: Path, seed_trainer: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, seed_trainer: Path, monkeypatch: pytest.MonkeyPatch, child_log: BinaryIO
 ) -> None:
     monkeypatch.setenv("TRAINER_CRASH_AT", "8")  # checkpoints at 5, crash after 8: 3 lost
     registry = CollectorRegistry()
     metrics = RunnerMetrics(registry)
     controller = StopController()
-    sup = _supervisor(tmp_path, [str(seed_trainer), "12", str(N), "1", "5"], metrics, controller)
+    sup = _supervisor(
+        tmp_path, [str(seed_trainer), "12", str(N), "1", "5"], metrics, controller, child_log
+    )
     try:
         assert sup.run() == 0
     finally:

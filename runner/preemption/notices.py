@@ -68,6 +68,10 @@ class NoticePoller:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def stop(self) -> None:
+        """Same as `close()`."""
+        self.close()
+
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
