@@ -35,6 +35,15 @@ class DrillReport:
     straight: RunOutcome
     resumed: RunOutcome
 
+    def loss_verdict(self) -> str:
+        straight, resumed = self.straight.losses, self.resumed.losses
+        differing = sorted(
+            s for s in straight.keys() | resumed.keys() if straight.get(s) != resumed.get(s)
+        )
+        if not differing:
+            return f"identical at all {len(straight)} steps"
+        return f"differs at {len(differing)} steps, first at step {differing[0]}"
+
     @property
     def exact(self) -> bool:
         return (

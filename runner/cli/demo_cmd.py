@@ -85,6 +85,7 @@ def drill(steps: int, stop_at: int | None, seed: int, work_dir: str | None, as_j
             f"fresh process: {verdict}\n"
             f"  fingerprint straight {report.straight.fingerprint[:16]}  "
             f"resumed {report.resumed.fingerprint[:16]}\n"
+            f"  loss history: {report.loss_verdict()}\n"
         )
         click.echo("What each omission costs (vs the straight run):")
         click.echo(format_table(results))
