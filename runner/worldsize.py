@@ -35,12 +35,16 @@ class WorldSizeChange:
     samples_seen: int
 
     def describe(self) -> str:
-        remainder = self.old_step * self.old_world_size % self.new_world_size
-        exact = "" if remainder == 0 else f" (floor; {remainder}/{self.new_world_size} dropped)"
+        scaled = self.old_step * self.old_world_size
+        exact = (
+            ""
+            if scaled % self.new_world_size == 0
+            else f", floor of {scaled / self.new_world_size:g}"
+        )
         return (
             f"world size changed {self.old_world_size} -> {self.new_world_size}: step rescaled "
             f"{self.old_step} -> {self.new_step} (step x {self.old_world_size} / "
-            f"{self.new_world_size}){exact}; samples_seen {self.samples_seen} kept exactly"
+            f"{self.new_world_size}{exact}); samples_seen {self.samples_seen} kept exactly"
         )
 
 

@@ -38,8 +38,8 @@ def test_rescale_counters_keeps_samples_and_logs(caplog: pytest.LogCaptureFixtur
     assert new == Counters(step=15, epoch=2, batch_in_epoch=3, samples_seen=992, world_size=8)
     assert change is not None and change.new_step == 15
     assert (
-        "world size changed 4 -> 8: step rescaled 31 -> 15 (step x 4 / 8) "
-        "(floor; 4/8 dropped); samples_seen 992 kept exactly"
+        "world size changed 4 -> 8: step rescaled 31 -> 15 (step x 4 / 8, floor of 15.5); "
+        "samples_seen 992 kept exactly"
     ) in caplog.text
     same, none = rescale_counters(counters, new_world_size=4)
     assert same is counters and none is None
