@@ -50,6 +50,9 @@ ENV_CKPT_DIR = "RUNNER_CKPT_DIR"
 ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
 ENV_RESUME_STEP = "RUNNER_RESUME_STEP"
 ENV_ATTEMPT = "RUNNER_ATTEMPT"
+SUPERVISOR_ONLY_ENV = frozenset(
+    {"RUNNER_MIRROR", "RUNNER_METRICS_PORT", "RUNNER_NOTICES", "RUNNER_NOTICE_ENDPOINT"}
+)
 
 
 class MirrorHook(Protocol):
@@ -340,7 +343,20 @@ class Supervisor:
                 self.metrics.train_step(step)
 
     def _child_env(self, resume: ResumePoint | None) -> dict[str, str]:
-        env = dict(os.environ)
+        # The supervisor owns the mirror, the metrics port and the notice poller: a child
+        # that is itself a runner (`runner run -- runner demo`) must not start its own.
+        env = {k: v for k, v in os.environ.items() if k not in SUPERVISOR_ONLY_ENV}
+        # Training settings given on the command line reach a runner child as well.
+        for name, value in (
+            ("RUNNER_STEPS", self.config.steps),
+            ("RUNNER_CKPT_EVERY", self.config.ckpt_every),
+            ("RUNNER_CKPT_EVERY_SECONDS", self.config.ckpt_every_seconds),
+            ("RUNNER_KEEP", self.config.keep),
+            ("RUNNER_GRACE_SECONDS", self.config.grace_seconds),
+            ("RUNNER_SEED", self.config.seed),
+        ):
+            if value is not None:
+                env[name] = str(value)
         env[ENV_RUN_DIR] = str(self.run_dir)
         env[ENV_CKPT_DIR] = str(self.ckpt_dir)
         env[ENV_RESUME_FROM] = str(resume.payload) if resume else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -312,16 +313,73 @@ def test_child_environment_and_own_process_group(
     script = (
         "import os; print('env', os.environ['RUNNER_RUN_DIR'], os.environ['RUNNER_CKPT_DIR'],"
         " repr(os.environ['RUNNER_RESUME_FROM'])); print('group', os.getpgid(0) == os.getpid(),"
-        " os.getpgid(0) != os.getpgid(os.getppid()))"
+        " os.getpgid(0) != os.getpgid(os.getppid()));"
+        " print('passed', os.environ.get('RUNNER_NOTICE_ENDPOINT'),"
+        " os.environ['RUNNER_CKPT_EVERY'])"
     )
-    s = _start(supervised, ["--run-dir", str(run_dir), "--", sys.executable, "-c", script])
+    s = _start(
+        supervised,
+        ["--run-dir", str(run_dir), "--ckpt-every", "7", "--", sys.executable, "-c", script],
+        # the supervisor's own settings stay with it; training settings reach the child
+        env={"RUNNER_NOTICE_ENDPOINT": "http://127.0.0.1:9"},
+    )
     assert s.wait() == 0, s.err
     absolute = run_dir.absolute()
     assert f"env {absolute} {absolute / 'checkpoints'} ''" in s.out
     assert "group True True" in s.out
+    assert "passed None 7" in s.out
 
 
 def test_missing_trainer_is_a_usage_error(tmp_path: Path, supervised: list[Supervised]) -> None:
     s = _start(supervised, ["--run-dir", str(tmp_path), "--", str(tmp_path / "no-such-trainer")])
     assert s.wait() == 2
     assert "cannot start the trainer" in s.err
+
+
+def test_final_checkpoint_reaches_the_mirror_and_a_fresh_run_dir_resumes_from_it(
+    tmp_path: Path, seed_trainer: Path, supervised: list[Supervised]
+) -> None:
+    mirror = f"file://{tmp_path / 'bucket'}"
+    first = tmp_path / "node1"
+    s = _start(
+        supervised,
+        [
+            "--run-dir",
+            str(first),
+            "--mirror",
+            mirror,
+            "--",
+            str(seed_trainer),
+            "1000000",
+            str(N_PARAMS),
+            "10",
+            "0",
+        ],
+    )
+    s.expect(r"^step 3 ")
+    s.proc.send_signal(signal.SIGTERM)
+    final_step = int(s.expect(r"^stopping at step (\d+)$").group(1))
+    assert s.wait() == 75, s.err
+    assert f"final checkpoint step {final_step} is in the mirror" in s.err
+    shutil.rmtree(first)  # the node is gone with its disk
+
+    second = tmp_path / "node2"
+    more = _start(
+        supervised,
+        [
+            "--run-dir",
+            str(second),
+            "--mirror",
+            mirror,
+            "--",
+            str(seed_trainer),
+            str(final_step + 2),
+            str(N_PARAMS),
+            "1",
+            "0",
+        ],
+    )
+    assert more.wait() == 0, more.err
+    payload = second.absolute() / f"checkpoints/step_{final_step:06d}/step_{final_step:06d}.bin"
+    assert f"started at step {final_step} resume={payload}" in more.out
+    _assert_adopted(second, final_step + 2)

@@ -140,10 +140,6 @@ def _mirror_hooks(config: RunConfig, metrics: Any, stack: contextlib.ExitStack) 
 
 
 def _make_mirror(storage: Any, *, config: RunConfig, metrics: Any) -> Any:
-    # The background uploader (issue 4) plugs in here once it exists.
-    try:
-        from runner.mirror import Mirror
-    except ImportError:
-        log.warning("checkpoint uploads are not available in this build; resume-only mirror")
-        return None
+    from runner.mirror import Mirror
+
     return Mirror(storage, keep=config.keep, writer_id=config.writer_id, metrics=metrics)
