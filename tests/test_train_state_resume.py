@@ -1,8 +1,8 @@
 """Bit-exact resume (issue 2, first "Must show").
 
-60 steps straight vs. 30 steps, a checkpoint on disk, and the remaining 30 in another process:
-identical fingerprints and loss histories, with shuffled data, dropout and a warmup+cosine LR
-schedule. Epochs are 7 batches long, so step 30 is in the middle of epoch 4 and step 28 is an
+60 steps straight vs. 30 steps, a committed checkpoint (CheckpointWriter), and the remaining 30
+in another process that loads it verified and weights-only: identical fingerprints and loss
+histories, with shuffled data, dropout and a warmup+cosine LR schedule. Epochs are 7 batches long, so step 30 is in the middle of epoch 4 and step 28 is an
 epoch boundary.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 from runner.demo.components import DemoComponents, build_demo
 
 STEPS = 60
@@ -29,7 +30,9 @@ import json, sys, torch
 from runner.demo.components import build_demo
 torch.set_num_threads(int(sys.argv[2]))
 demo = build_demo(**json.loads(sys.argv[3]))
-state = torch.load(sys.argv[1], weights_only=True)
+from pathlib import Path
+from runner.checkpoint.reader import load_state
+state = load_state(Path(sys.argv[1]))  # sha256-verified, then torch.load(weights_only=True)
 counters = demo.restore(state)
 restored = [counters.step, counters.epoch, counters.batch_in_epoch, counters.samples_seen]
 restored_print = demo.fingerprint()
@@ -100,11 +103,20 @@ def test_resume_in_another_process_is_bit_exact(
     first = _demo()
     _run_to(first, stop_at)
     assert (first.counters.epoch, first.counters.batch_in_epoch) == (epoch, batch_in_epoch)
-    checkpoint = tmp_path / "state.pt"
-    torch.save(first.capture(), checkpoint)
     stopped_print = first.fingerprint()
+    committed = CheckpointWriter(tmp_path, run_id="resume-test", writer_id="pytest").write_state(
+        first.capture(),
+        meta=CheckpointMeta(
+            step=stop_at,
+            samples_seen=first.counters.samples_seen,
+            world_size=1,
+            epoch=epoch,
+            batch_in_epoch=batch_in_epoch,
+            fingerprint=stopped_print,
+        ),
+    )
 
-    resumed = _resume_in_subprocess(checkpoint)
+    resumed = _resume_in_subprocess(committed.path)
 
     assert resumed["restored"] == [stop_at, epoch, batch_in_epoch, stop_at * 8]
     assert resumed["restored_fingerprint"] == stopped_print
