@@ -148,12 +148,9 @@ class Supervisor:
             reraise=True,
         )
         try:
-            for attempt in retrying:
-                with attempt:
-                    return self._run_once()
+            return retrying(self._run_once)
         except ChildCrashed as crash:
             raise ChildFailedError(self._failure_message(crash)) from None
-        raise AssertionError("unreachable: tenacity either returns or re-raises")
 
     def _backoff_sleep(self, seconds: float) -> None:
         # A stop during the backoff ends it; the next attempt then sees the stop and exits 75.
@@ -195,6 +192,9 @@ class Supervisor:
         # A SIGUSR1 that arrived while no trainer ran is dropped: forwarded to a new process
         # before it installs its handler, it would kill it (SIGUSR1's default action).
         self.controller.take_checkpoint_request()
+        if self.controller.stop_requested:  # arrived while looking for the checkpoint
+            log.warning("stop requested (%s) before the trainer started", self.controller.reason)
+            return EXIT_PREEMPTED
         child = ChildProcess(
             self.command,
             env=self._child_env(resume),
@@ -208,7 +208,12 @@ class Supervisor:
             self.attempts,
             resume.payload if resume else "scratch",
         )
-        stop_sent_at = self._watch(child)
+        try:
+            stop_sent_at = self._watch(child)
+        except BaseException:
+            # The supervisor itself failed: do not leave the trainer running unsupervised.
+            child.terminate(grace_seconds=min(10.0, self.config.grace_seconds))
+            raise
         code = child.finish()
         self._adopt(settled=True)
         if stop_sent_at is not None:

@@ -86,6 +86,15 @@ class ChildProcess:
             return False
         return True
 
+    def terminate(self, *, grace_seconds: float) -> int:
+        """SIGTERM the group, SIGKILL it if still running after `grace_seconds`."""
+        self.signal_group(signal.SIGTERM)
+        try:
+            self._proc.wait(grace_seconds)
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+        return self.finish()
+
     def finish(self, *, drain_seconds: float = 2.0) -> int:
         """Wait for the trainer to exit and its output to drain. Members of its group that
         outlive it (and would keep the pipes open) are killed after `drain_seconds`."""

@@ -94,6 +94,13 @@ max_restarts = _opt(
     default=3,
     help="Crashes restarted with backoff before giving up.",
 )
+restart_backoff = _opt(
+    "--restart-backoff",
+    env="RUNNER_RESTART_BACKOFF",
+    type=float,
+    default=1.0,
+    help="First delay before restarting a crashed trainer, doubled each time (max 60 s).",
+)
 seed = _opt("--seed", env="RUNNER_SEED", type=int, default=0, help="Random seed of the run.")
 json_output = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 

@@ -15,19 +15,11 @@ from runner.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-restart_backoff = options._opt(
-    "--restart-backoff",
-    env="RUNNER_RESTART_BACKOFF",
-    type=float,
-    default=1.0,
-    help="First delay before restarting a crashed trainer, doubled each time (max 60 s).",
-)
-
 
 @click.command(context_settings={"ignore_unknown_options": False})
 @options.run_options
 @options.max_restarts
-@restart_backoff
+@options.restart_backoff
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     command: tuple[str, ...],
@@ -95,7 +87,7 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
         if poller is not None:
             stack.callback(poller.close)
         mirror, resolve = _mirror_hooks(config, metrics, stack)
-        supervisor = Supervisor(
+        code = Supervisor(
             command,
             config=config,
             controller=controller,
@@ -103,9 +95,8 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
             metrics=metrics,
             resolve_resume=resolve,
             restart_backoff=restart_backoff,
-        )
-        return supervisor.run()
-    raise AssertionError("unreachable")
+        ).run()
+    return code
 
 
 def _start_metrics(config: RunConfig, stack: contextlib.ExitStack) -> Any:
