@@ -7,7 +7,6 @@ anything is deserialised, and deserialising is `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import pickle
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.atomic import read_chunks, sha256_file
+from runner.checkpoint.atomic import hash_stream, sha256_file
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -88,11 +87,9 @@ def verify_checkpoint(storage: Storage, step: int) -> Manifest:
             raise IntegrityError(
                 f"{where}: size {size} != {entry.size} in the manifest (truncated or replaced)"
             )
-        digest = hashlib.sha256()
         with storage.open_read(f"{base}/{entry.path}") as stream:
-            for chunk in read_chunks(stream):
-                digest.update(chunk)
-        if digest.hexdigest() != entry.sha256:
+            _, sha256 = hash_stream(stream)
+        if sha256 != entry.sha256:
             raise IntegrityError(f"{where}: sha256 mismatch (the file is corrupt)")
     return manifest
 
