@@ -183,7 +183,7 @@ class Supervisor:
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
         self.attempts += 1
-        resume = find_resume(self.run_dir, resolve=self.resolve_resume)
+        resume = find_resume(self.run_dir, resolve=self.resolve_resume, on_skip=self._skipped)
         self._report_resume(resume)
         # Steps the last attempt logged past this checkpoint are lost: mark them superseded
         # in loss.jsonl, for trainers that keep one without knowing the marker rule.
@@ -325,6 +325,11 @@ class Supervisor:
                 self.metrics.checkpoint_failed("verify")
             self.adopter.rejected.clear()
         return adopted
+
+    def _skipped(self, step: int, why: str) -> None:
+        log.warning("not resuming from step %d: %s", step, why)
+        if self.metrics is not None:
+            self.metrics.checkpoint_failed("verify")
 
     def _report_resume(self, resume: ResumePoint | None) -> None:
         if self.metrics is None:

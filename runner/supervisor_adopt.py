@@ -123,20 +123,24 @@ class ResumePoint:
     manifest: Manifest
 
 
-ResolveResume = Callable[[Path], Path | None]
+SkipCallback = Callable[[int, str], None]
+ResolveResume = Callable[[Path, SkipCallback | None], Path | None]
 
 
-def find_resume(run_dir: Path, *, resolve: ResolveResume | None = None) -> ResumePoint | None:
-    """The newest checkpoint that verifies, or None. `resolve(run_dir)` may return the local
-    step directory to use (e.g. downloaded from the mirror); otherwise the run dir is scanned."""
+def find_resume(
+    run_dir: Path, *, resolve: ResolveResume | None = None, on_skip: SkipCallback | None = None
+) -> ResumePoint | None:
+    """The newest checkpoint that verifies, or None. `resolve(run_dir, on_skip)` may return
+    the local step directory to use (e.g. downloaded from the mirror); otherwise the run dir
+    is scanned. Each newer checkpoint that fails verification goes to `on_skip(step, why)`."""
     run_dir = Path(run_dir)
     if resolve is not None:
-        step_dir = resolve(run_dir)
+        step_dir = resolve(run_dir, on_skip)
         if step_dir is None:
             return None
         manifest = read_manifest_dir(step_dir)
     else:
-        found = newest_verified(FileStorage(run_dir))
+        found = newest_verified(FileStorage(run_dir), on_skip=on_skip)
         if found is None:
             return None
         manifest = found

@@ -383,3 +383,28 @@ def test_final_checkpoint_reaches_the_mirror_and_a_fresh_run_dir_resumes_from_it
     payload = second.absolute() / f"checkpoints/step_{final_step:06d}/step_{final_step:06d}.bin"
     assert f"started at step {final_step} resume={payload}" in more.out
     _assert_adopted(second, final_step + 2)
+
+
+def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_handed_back(
+    tmp_path: Path, seed_trainer: Path, supervised: list[Supervised]
+) -> None:
+    run_dir = tmp_path / "run"
+    first = _start(
+        supervised,
+        ["--run-dir", str(run_dir), "--", str(seed_trainer), "10", str(N_PARAMS), "1", "5"],
+    )
+    assert first.wait() == 0, first.err
+    newest = run_dir / "checkpoints/step_000010/step_000010.bin"
+    data = bytearray(newest.read_bytes())
+    data[100] ^= 0x01
+    newest.write_bytes(bytes(data))
+    again = _start(
+        supervised,
+        ["--run-dir", str(run_dir), "--", str(seed_trainer), "12", str(N_PARAMS), "1", "5"],
+    )
+    assert again.wait() == 0, again.err
+    payload = run_dir.absolute() / "checkpoints/step_000005/step_000005.bin"
+    assert f"started at step 5 resume={payload}" in again.out
+    assert "not resuming from step 10" in again.err and "sha256 mismatch" in again.err
+    assert list_checkpoints(FileStorage(run_dir)) == [5, 10, 12]
+    _assert_adopted(run_dir, 10)  # redone and committed again over the corrupt one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +122,8 @@ def _mirror_hooks(config: RunConfig, metrics: Any, stack: contextlib.ExitStack) 
 
     storage = open_storage(config.mirror)
 
-    def resolve(run_dir: Path) -> Path | None:
-        return resolve_resume(run_dir, storage)
+    def resolve(run_dir: Path, on_skip: Callable[[int, str], None] | None) -> Path | None:
+        return resolve_resume(run_dir, storage, on_skip=on_skip)
 
     mirror = _make_mirror(storage, config=config, metrics=metrics)
     if mirror is not None:
