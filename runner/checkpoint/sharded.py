@@ -108,7 +108,9 @@ def write_sharded(stage: Staging, state: dict[str, Any], *, shard_bytes: int) ->
     stage.write_bytes(INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
 
 
-def read_sharded(step_dir: Path, *, listed: dict[str, tuple[int, str]]) -> dict[str, Any]:
+def read_sharded(
+    step_dir: Path, *, listed: dict[str, tuple[int, str]], mmap: bool = False
+) -> dict[str, Any]:
     """Load a sharded state whose files the caller has already verified against the manifest
     (`listed`: path -> (size, sha256)). The index must agree with the manifest."""
     source = f"{step_dir}/{INDEX_NAME}"
@@ -128,7 +130,7 @@ def read_sharded(step_dir: Path, *, listed: dict[str, tuple[int, str]]) -> dict[
                 f"{source}: shard {path!r} is not listed in the manifest with the same size "
                 "and sha256; the checkpoint is inconsistent"
             )
-        loaded = torch.load(step_dir / path, weights_only=True, map_location="cpu")
+        loaded = torch.load(step_dir / path, weights_only=True, map_location="cpu", mmap=mmap)
         if not isinstance(loaded, dict) or set(loaded) != set(shard["tensors"]):
             raise IntegrityError(f"{source}: shard {path!r} does not hold the tensors indexed")
         tensors.update(loaded)
