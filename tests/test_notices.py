@@ -20,7 +20,7 @@ from runner.preemption.notices import NoticePoller, start_notice_poller
 from runner.preemption.stop import StopController
 from tests.fixtures.metadata_server import FakeCloud
 
-POLL = 0.2
+POLL = 0.25
 
 
 def _config(tmp_path: Path, notices: str, endpoint: str, poll: float = POLL) -> RunConfig:
