@@ -111,8 +111,21 @@ def restore_train_state(
     ConfigError when the state belongs to another model or data order. ``restore_rng=False``
     exists for the resume audit (`runner drill`), which measures what skipping it costs.
     """
+    # Everything that can be checked without touching the live objects is checked first, so a
+    # refused state leaves the model, optimizer and generators as they were.
     _check_layout(state)
     _check_param_names(state["param_names"], model)
+    saved_counters = Counters.from_dict(state["counters"])
+    if restore_rng and "rng" not in state:
+        raise IntegrityError(
+            "train state has no RNG section; it cannot be resumed bit-exactly "
+            "(written by a tool that does not save RNG state?)"
+        )
+    if sampler is not None and sampler.world_size != world_size:
+        raise ConfigError(
+            f"sampler is sharded for world_size={sampler.world_size} but the resume is for "
+            f"world_size={world_size}; build both from the same world size"
+        )
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as exc:
@@ -130,34 +143,26 @@ def restore_train_state(
     if restore_rng:
         restore_rng_state(state)
 
-    counters, change = rescale_counters(
-        Counters.from_dict(state["counters"]), new_world_size=world_size
-    )
+    counters, change = rescale_counters(saved_counters, new_world_size=world_size)
     if change is not None and scheduler is not None:
         move_scheduler_to_step(scheduler, step=counters.step)
     if sampler is not None:
-        counters = _restore_sampler(state.get("sampler") or {}, sampler, counters, world_size)
+        counters = _restore_sampler(state.get("sampler") or {}, sampler, counters)
     return counters
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Restore the global RNGs from a captured train state."""
-    if "rng" not in state:
-        raise IntegrityError(
-            "train state has no RNG section; it cannot be resumed bit-exactly "
-            "(written by a tool that does not save RNG state?)"
-        )
-    rng.restore_rng(state["rng"])
+    try:
+        section = state["rng"]
+    except KeyError as exc:
+        raise IntegrityError("train state has no RNG section") from exc
+    rng.restore_rng(section)
 
 
 def _restore_sampler(
-    saved: dict[str, Any], sampler: ResumableSampler, counters: Counters, world_size: int
+    saved: dict[str, Any], sampler: ResumableSampler, counters: Counters
 ) -> Counters:
-    if sampler.world_size != world_size:
-        raise ConfigError(
-            f"sampler is sharded for world_size={sampler.world_size} but the resume is for "
-            f"world_size={world_size}; build both from the same world size"
-        )
     if saved:
         sampler.load_state_dict(saved)
     else:
@@ -194,6 +199,10 @@ def _check_layout(state: Any) -> None:
 
 
 def _check_param_names(saved: Any, model: torch.nn.Module) -> None:
+    if not saved:
+        # Migrated from schema 1, which did not record names: the model's own order is
+        # assumed (as schema 1 did), and load_state_dict(strict=True) still checks every key.
+        return
     current = [name for name, _ in model.named_parameters()]
     if list(saved) != current:
         only_saved = sorted(set(saved) - set(current))[:5]

@@ -152,11 +152,15 @@ def test_missing_section_is_an_integrity_error() -> None:
         restore_train_state(no_rng, model=model, optimizer=optimizer)
 
 
-def test_malformed_counters_are_an_integrity_error() -> None:
-    state, (model, optimizer, *_rest) = _captured()
+def test_malformed_counters_are_refused_before_anything_is_loaded() -> None:
+    state, _ = _captured()
+    model, optimizer, _, _ = _setup(init_seed=5)
+    before = [p.detach().clone() for p in model.parameters()]
     bad = {**state, "counters": {**state["counters"], "step": -1}}
     with pytest.raises(IntegrityError, match="out of range"):
         restore_train_state(bad, model=model, optimizer=optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert optimizer.state_dict()["state"] == {}
 
 
 def test_state_of_another_model_is_refused_with_names() -> None:
@@ -179,3 +183,12 @@ def test_sampler_of_another_seed_is_refused() -> None:
             optimizer=optimizer,
             sampler=ResumableSampler(40, batch_size=4, seed=1),
         )
+
+
+def test_state_migrated_from_schema_1_without_param_names_restores() -> None:
+    state, (model, *_rest) = _captured()
+    migrated = {**state, "param_names": []}
+    model2, optimizer2, _, _ = _setup(init_seed=5)
+    counters = restore_train_state(migrated, model=model2, optimizer=optimizer2)
+    assert counters.step == 3
+    assert torch.equal(model2[0].weight, model[0].weight)
