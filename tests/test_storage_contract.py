@@ -188,3 +188,22 @@ def test_file_storage_lists_no_temp_files(tmp_path: Path) -> None:
     (tmp_path / "checkpoints" / ".tmp-step_000001-abc" / "state.pt").write_bytes(b"x")
     store.put_bytes("checkpoints/step_000001/manifest.json", b"{}")
     assert [o.key for o in store.list()] == ["checkpoints/step_000001/manifest.json"]
+
+
+def test_s3_tests_fail_rather_than_skip_without_the_server(tmp_path: Path) -> None:
+    """Without `weed` on PATH the S3 tests must fail, so CI cannot pass them silently."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "s3_missing_bucket"],
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout
+    assert "`weed` not found" in result.stdout
+    assert "1 error" in result.stdout and "skipped" not in result.stdout
