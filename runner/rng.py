@@ -51,6 +51,8 @@ def capture_rng() -> dict[str, Any]:
         },
         "torch_cpu": torch.get_rng_state().clone(),
         "cuda": cuda,
+        # Not a generator, but it decides the bits too: CPU kernels split reductions by thread.
+        "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -86,6 +88,16 @@ def restore_rng(state: dict[str, Any]) -> None:
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
         raise IntegrityError(f"train state: RNG section is malformed ({exc!r})") from exc
     _restore_cuda(list(state["cuda"]))
+    saved_threads = state.get("torch_threads")
+    if saved_threads is not None and int(saved_threads) != torch.get_num_threads():
+        log.warning(
+            "checkpoint was written with %d torch intra-op thread(s), this process uses %d: "
+            "CPU results will not be bit-identical to an uninterrupted run "
+            "(use torch.set_num_threads(%d) to match)",
+            int(saved_threads),
+            torch.get_num_threads(),
+            int(saved_threads),
+        )
 
 
 def _restore_cuda(saved: list[torch.Tensor]) -> None:

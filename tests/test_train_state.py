@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import random
 from typing import Any
 
@@ -80,7 +81,7 @@ def test_layout_has_the_agreed_keys_and_only_plain_types() -> None:
     assert state["counters"] == {
         "step": 3, "epoch": 0, "batch_in_epoch": 1, "samples_seen": 4, "world_size": 1,
     }  # fmt: skip
-    assert set(state["rng"]) == {"python", "numpy", "torch_cpu", "cuda"}
+    assert set(state["rng"]) == {"python", "numpy", "torch_cpu", "cuda", "torch_threads"}
     allowed = {torch.Tensor, int, float, str, bool, type(None)}
     assert {t for t in _walk(state) if not issubclass(t, torch.Tensor)} <= allowed
     assert not any(issubclass(t, np.ndarray | np.generic) for t in _walk(state))
@@ -192,3 +193,18 @@ def test_state_migrated_from_schema_1_without_param_names_restores() -> None:
     counters = restore_train_state(migrated, model=model2, optimizer=optimizer2)
     assert counters.step == 3
     assert torch.equal(model2[0].weight, model[0].weight)
+
+
+def test_resume_with_another_thread_count_warns(caplog: pytest.LogCaptureFixture) -> None:
+    # CPU kernels split reductions by thread: a different count changes the low bits.
+    state = capture_rng()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(before + 1)
+        with caplog.at_level(logging.WARNING, logger="runner.rng"):
+            restore_rng(state)
+    finally:
+        torch.set_num_threads(before)
+    assert f"written with {before} torch intra-op thread(s), this process uses {before + 1}" in (
+        caplog.text
+    )
