@@ -36,7 +36,8 @@ static int env_int(const char *name) {
 static void write_ckpt(const char *dir, int32_t step, int32_t n, const float *w,
                        const float *m, const float *v, int short_by) {
     char tmp[4096], final_path[4096];
-    snprintf(tmp, sizeof tmp, "%s/.partial-step_%06d.bin.%d", dir, step, (int)getpid());
+    /* .tmp-<name>-<pid>-<tag>: the runner cleans up leftovers of a writer that died */
+    snprintf(tmp, sizeof tmp, "%s/.tmp-step_%06d.bin-%d-c", dir, step, (int)getpid());
     snprintf(final_path, sizeof final_path, "%s/step_%06d.bin", dir, step);
     FILE *f = fopen(tmp, "wb");
     if (!f) { perror(tmp); exit(4); }
