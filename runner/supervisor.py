@@ -281,7 +281,7 @@ class Supervisor:
         else:
             fresh = ckpt is not self._checkpoint_at_stop
             log.warning(
-                "trainer stopped (%s) %.1f s after the stop signal (grace %.0f s); "
+                "trainer stopped (%s) %.2f s after the stop signal (grace %.0f s); "
                 "%s checkpoint: step %d",
                 describe_exit(code),
                 took,
