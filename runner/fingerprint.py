@@ -40,6 +40,9 @@ def fingerprint_state(
     model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any] | None
 ) -> str:
     """Same digest as `fingerprint`, from state dicts (e.g. a checkpoint loaded from disk)."""
+    if "param_groups" in model_state:
+        # Swapped arguments would silently give another digest: refuse the likely mix-up.
+        raise TypeError("fingerprint_state: model_state looks like an optimizer state_dict")
     digest = hashlib.sha256(FINGERPRINT_VERSION)
     for name in sorted(model_state):
         _update(digest, "model", name, model_state[name])

@@ -7,6 +7,7 @@ import io
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from runner.fingerprint import fingerprint, fingerprint_state
@@ -97,3 +98,9 @@ def test_bfloat16_and_empty_tensors_hash() -> None:
     one = fingerprint_state({"w": torch.ones(3, dtype=torch.bfloat16), "e": torch.empty(0)}, None)
     two = fingerprint_state({"w": torch.ones(3, dtype=torch.float16), "e": torch.empty(0)}, None)
     assert one != two
+
+
+def test_swapped_state_dicts_are_refused() -> None:
+    model, optimizer = _build()
+    with pytest.raises(TypeError, match="looks like an optimizer state_dict"):
+        fingerprint_state(optimizer.state_dict(), model.state_dict())
