@@ -8,8 +8,10 @@ anything is deserialised, and deserialising is `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,9 +154,15 @@ def verify_dir(step_dir: Path, *, manifest: Manifest | None = None) -> Manifest:
                 "(truncated or replaced)"
             )
         paths.append((path, entry))
-    for path, entry in paths:
-        if sha256_file(path)[1] != entry.sha256:
-            raise IntegrityError(f"{step_dir / entry.path}: sha256 mismatch (the file is corrupt)")
+    # one sha256 cannot be split across cores, but several files (shards) can be hashed at once
+    workers = max(1, min(len(paths), os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+        digests = pool.map(lambda item: sha256_file(item[0])[1], paths)
+        for (_, entry), digest in zip(paths, digests, strict=True):
+            if digest != entry.sha256:
+                raise IntegrityError(
+                    f"{step_dir / entry.path}: sha256 mismatch (the file is corrupt)"
+                )
     return manifest
 
 

@@ -87,7 +87,7 @@ class Staging:
     def write_torch(self, name: str, obj: Any) -> FileEntry:
         import torch  # imported here so listing/verifying commands start fast
 
-        with self.open_file(name) as out:
+        with self.open_file(name) as out, _without_zip_crc32():
             # torch.save only calls write() and flush(): no seek, so it streams one pass
             torch.save(obj, cast(BinaryIO, out))
         return self.files[-1]
@@ -300,6 +300,38 @@ class CheckpointWriter:
             shutil.rmtree(aside, ignore_errors=True)
             return
         raise RunnerError(f"could not commit {final}: another writer keeps replacing it")
+
+
+class _ZipCrc32Off:
+    """torch.save computes a zip CRC32 of every byte, single-threaded: it costs more than the
+    write itself. The manifest's sha256 already covers every byte, so CRC32 is switched off
+    while our saves run (torch.load reads such files; a save by another thread meanwhile merely
+    skips it too). Counted, so overlapping saves in several threads restore the setting once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._previous = True
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        from torch.utils.serialization import config
+
+        with self._lock:
+            if self._active == 0:
+                self._previous = config.save.compute_crc32
+                config.save.compute_crc32 = False
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    config.save.compute_crc32 = self._previous
+
+
+_without_zip_crc32 = _ZipCrc32Off()
 
 
 def _same_and_valid(existing: Path, manifest: Manifest) -> bool:
