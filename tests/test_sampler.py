@@ -120,3 +120,21 @@ def test_bad_construction_is_a_config_error() -> None:
 def test_unshuffled_order_is_sequential() -> None:
     sampler = ResumableSampler(10, batch_size=3, seed=0, shuffle=False)
     assert _take(sampler, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_works_as_a_dataloader_batch_sampler_and_resumes_mid_epoch() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(30) * 10)
+    sampler = ResumableSampler(30, batch_size=4, seed=8)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=0)
+    straight = [b[0].tolist() for _ in range(2) for b in loader]  # two epochs of 7 batches
+    assert len(straight) == 14 and sampler.epoch == 2
+
+    first = ResumableSampler(30, batch_size=4, seed=8)
+    it = iter(torch.utils.data.DataLoader(data, batch_sampler=first, num_workers=0))
+    head = [next(it)[0].tolist() for _ in range(3)]
+    second = ResumableSampler(30, batch_size=4, seed=8)
+    second.load_state_dict(first.state_dict())
+    loader = torch.utils.data.DataLoader(data, batch_sampler=second, num_workers=0)
+    assert len(loader) == 4
+    tail = [b[0].tolist() for b in loader] + [b[0].tolist() for b in loader]
+    assert head + tail == straight
