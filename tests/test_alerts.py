@@ -182,3 +182,12 @@ def test_bad_thresholds_are_config_errors():
         Thresholds(stale_after=0)
     with pytest.raises(ConfigError, match="not a PromQL label matcher"):
         Thresholds(job_matcher="spot-runner")
+
+
+def test_example_prometheus_config_is_valid(promtool):
+    # `check config` also checks the rule files the config names (alerts.yml).
+    result = promtool_run(
+        promtool, "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 4 rules found" in result.stdout
