@@ -121,11 +121,14 @@ def restore_train_state(
             "train state has no RNG section; it cannot be resumed bit-exactly "
             "(written by a tool that does not save RNG state?)"
         )
-    if sampler is not None and sampler.world_size != world_size:
-        raise ConfigError(
-            f"sampler is sharded for world_size={sampler.world_size} but the resume is for "
-            f"world_size={world_size}; build both from the same world size"
-        )
+    if sampler is not None:
+        if sampler.world_size != world_size:
+            raise ConfigError(
+                f"sampler is sharded for world_size={sampler.world_size} but the resume is for "
+                f"world_size={world_size}; build both from the same world size"
+            )
+        # First among the loads: it refuses a state of another data order (ConfigError).
+        _restore_sampler(state.get("sampler") or {}, sampler, saved_counters)
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as exc:
@@ -147,7 +150,9 @@ def restore_train_state(
     if change is not None and scheduler is not None:
         move_scheduler_to_step(scheduler, step=counters.step)
     if sampler is not None:
-        counters = _restore_sampler(state.get("sampler") or {}, sampler, counters)
+        counters = dataclasses.replace(
+            counters, epoch=sampler.epoch, batch_in_epoch=sampler.batch_in_epoch
+        )
     return counters
 
 
@@ -160,18 +165,18 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     rng.restore_rng(section)
 
 
-def _restore_sampler(
-    saved: dict[str, Any], sampler: ResumableSampler, counters: Counters
-) -> Counters:
+def _restore_sampler(saved: dict[str, Any], sampler: ResumableSampler, counters: Counters) -> None:
+    """Position `sampler` from its saved state, or from the saved run's sample count."""
     if saved:
         sampler.load_state_dict(saved)
     else:
         # No saved position (e.g. a state converted from a seed .bin): derive it from the
-        # world-size-independent sample count, assuming one global batch size throughout.
+        # world-size-independent sample count, assuming the saved run kept one global batch
+        # (this per-rank batch times its world size) throughout.
         epoch, offset = position_from_samples_seen(
             counters.samples_seen,
             num_samples=sampler.num_samples,
-            global_batch_size=sampler.global_batch_size,
+            global_batch_size=sampler.batch_size * counters.world_size,
         )
         sampler.seek(epoch=epoch, sample_offset=offset)
         log.info(
@@ -181,7 +186,6 @@ def _restore_sampler(
             offset,
             counters.samples_seen,
         )
-    return dataclasses.replace(counters, epoch=sampler.epoch, batch_in_epoch=sampler.batch_in_epoch)
 
 
 def _check_layout(state: Any) -> None:

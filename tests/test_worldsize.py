@@ -103,3 +103,19 @@ def test_sampler_sharded_for_another_world_size_is_refused() -> None:
             sampler=resumed.sampler,
             world_size=1,
         )
+
+
+def test_world_size_change_without_sampler_position_uses_the_saved_global_batch() -> None:
+    # Saved at 1 rank x 4: 52 samples = epoch 1, sample 12 (40 per epoch). Resumed on 2 ranks,
+    # the position must come from the saved global batch (4), not the new one (8).
+    single = _demo()
+    for _ in range(13):
+        single.train_step()
+    state = single.capture()
+    state["sampler"] = {}
+    ranks = [_demo(world_size=2, rank=r) for r in range(2)]
+    counters = [r.restore(state) for r in ranks]
+    assert (counters[0].step, counters[0].epoch, counters[0].samples_seen) == (6, 1, 52)
+    assert counters[1] == counters[0]
+    order = single.sampler.epoch_order(1).tolist()
+    assert ranks[0].sampler.next_batch() + ranks[1].sampler.next_batch() == order[12:20]
