@@ -172,6 +172,8 @@ class RunnerMetrics:
         a run preempted again and again before it manages a new checkpoint still goes
         stale. Never moves a location's last success backwards.
         """
+        if location not in (LOCAL, REMOTE):
+            raise ValueError(f"location must be {LOCAL!r} or {REMOTE!r}, got {location!r}")
         self._record_success(location, step, at=created_at, only_if_newer=True)
 
     # -- reading (scrapes, /healthz, tests) ------------------------------------------------------

@@ -172,6 +172,11 @@ def test_checkpoint_found_on_resume_ages_from_its_creation(registry, metrics, cl
     assert registry.get_sample_value("runner_checkpoint_last_step", {"location": "remote"}) == 300
 
 
+def test_checkpoint_found_refuses_an_unknown_location(metrics):
+    with pytest.raises(ValueError, match="location must be 'local' or 'remote'"):
+        metrics.checkpoint_found(location="bucket", step=1, created_at=0.0)
+
+
 def test_unmirrored_run_has_no_remote_age(registry, clock):
     metrics = RunnerMetrics(registry, clock=clock, mirrored=False)
     clock.now += 5
