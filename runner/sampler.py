@@ -89,8 +89,6 @@ class ResumableSampler:
 
     def next_batch(self) -> list[int]:
         """This rank's next batch of indices; rolls into the next epoch when this one runs out."""
-        if self.sample_offset + self.global_batch_size > self.num_samples:
-            self._start_epoch(self.epoch + 1)
         order = self.epoch_order(self.epoch)
         start = self.sample_offset + self.rank * self.batch_size
         batch = order[start : start + self.batch_size].tolist()
@@ -113,8 +111,14 @@ class ResumableSampler:
         return (self.num_samples - self.sample_offset) // self.global_batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Jump to the start of `epoch` (the usual DistributedSampler call)."""
-        self._start_epoch(epoch)
+        """Jump to the start of `epoch` (the usual DistributedSampler call).
+
+        Calling it with the current epoch keeps the position, so the customary
+        ``for epoch in range(start, n): sampler.set_epoch(epoch)`` loop does not undo a
+        mid-epoch resume.
+        """
+        if epoch != self.epoch:
+            self._start_epoch(epoch)
 
     def seek(self, *, epoch: int, sample_offset: int) -> None:
         """Move to `sample_offset` samples into `epoch` (e.g. a position derived from a count)."""

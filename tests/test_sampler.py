@@ -138,3 +138,12 @@ def test_works_as_a_dataloader_batch_sampler_and_resumes_mid_epoch() -> None:
     assert len(loader) == 4
     tail = [b[0].tolist() for b in loader] + [b[0].tolist() for b in loader]
     assert head + tail == straight
+
+
+def test_set_epoch_keeps_a_mid_epoch_position_and_jumps_otherwise() -> None:
+    sampler = ResumableSampler(20, batch_size=5, seed=1)
+    sampler.next_batch()
+    sampler.set_epoch(0)
+    assert (sampler.epoch, sampler.sample_offset) == (0, 5)
+    sampler.set_epoch(3)
+    assert (sampler.epoch, sampler.sample_offset, sampler.batch_in_epoch) == (3, 0, 0)
