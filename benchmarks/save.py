@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,52 +125,41 @@ def load_raw(path: Path, buffers: list[torch.Tensor]) -> None:
                 got += n
 
 
-def one_round(state: dict[str, Any], base: Path) -> dict[str, float]:
-    """Each variant once, in the same order, on the same bytes; seconds per variant."""
+def one_round(state: dict[str, Any], base: Path, *, rotate: int) -> dict[str, float]:
+    """Each variant once on the same bytes; seconds per variant. The order rotates between
+    rounds so that none always runs first (or right after another's writeback)."""
     raw, tsave, ckpts = base / "raw.bin", base / "torch.pt", base / "checkpoints"
     for p in (raw, tsave):
         p.unlink(missing_ok=True)
     shutil.rmtree(ckpts, ignore_errors=True)
-    seconds: dict[str, float] = {}
-
-    def clock(name: str, start: float) -> None:
-        seconds[name] = time.perf_counter() - start
-
-    gc.collect()
-    start = time.perf_counter()
-    save_raw(state, raw)
-    clock("save raw", start)
-    start = time.perf_counter()
-    save_torch(state, tsave)
-    clock("save torch", start)
-    start = time.perf_counter()
-    step_dir = save_runner(state, ckpts)
-    clock("save runner", start)
-
+    step_dir = ckpts / "step_000100"
+    saves: list[tuple[str, Callable[[], object]]] = [
+        ("save raw", lambda: save_raw(state, raw)),
+        ("save torch", lambda: save_torch(state, tsave)),
+        ("save runner", lambda: save_runner(state, ckpts)),
+    ]
     buffers = [torch.empty_like(t) for t in tensors_of(state)]
-    drop_cache(raw)
-    start = time.perf_counter()
-    load_raw(raw, buffers)
-    clock("load raw", start)
-    del buffers
-    gc.collect()
-    drop_cache(tsave)
-    start = time.perf_counter()
-    loaded = torch.load(tsave, weights_only=True, map_location="cpu")
-    clock("load torch", start)
-    del loaded
-    gc.collect()
-    drop_cache(step_dir)
-    start = time.perf_counter()
-    loaded = load_state(step_dir)
-    clock("load runner", start)
-    del loaded
-    gc.collect()
-    drop_cache(step_dir)
-    start = time.perf_counter()
-    loaded = load_state(step_dir, mmap=True)
-    clock("load runner mmap", start)
-    del loaded
+    loads: list[tuple[str, Path, Callable[[], object]]] = [
+        ("load raw", raw, lambda: load_raw(raw, buffers)),
+        ("load torch", tsave, lambda: torch.load(tsave, weights_only=True, map_location="cpu")),
+        ("load runner", step_dir, lambda: load_state(step_dir)),
+        ("load runner mmap", step_dir, lambda: load_state(step_dir, mmap=True)),
+    ]
+    seconds: dict[str, float] = {}
+    for i in range(len(saves)):
+        name, fn = saves[(i + rotate) % len(saves)]
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        seconds[name] = time.perf_counter() - start
+    for i in range(len(loads)):
+        name, path, fn = loads[(i + rotate) % len(loads)]
+        gc.collect()
+        drop_cache(path)
+        start = time.perf_counter()
+        result = fn()
+        seconds[name] = time.perf_counter() - start
+        del result
     return seconds
 
 
@@ -186,13 +176,13 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-save-", dir=args.dir or Path.cwd()))
     results: dict[str, list[float]] = {}
     try:
-        for _ in range(args.repeat):
-            for key, value in one_round(state, base).items():
+        for round_no in range(args.repeat):
+            for key, value in one_round(state, base, rotate=round_no).items():
                 results.setdefault(key, []).append(value)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    best = {k: min(v) for k, v in results.items()}
+    best = {k: min(v) for k, v in results.items()}  # best of the rounds: least disturbed
     print(f"{'':17} {'seconds':>8} {'GB/s':>7}")
     for key, seconds in best.items():
         print(f"{key:17} {seconds:8.2f} {nbytes / seconds / 1e9:7.2f}")

@@ -73,8 +73,9 @@ def test_same_step_same_state_keeps_the_existing_checkpoint(tmp_path: Path) -> N
     meta = meta_for(state, fingerprint=state_fingerprint(state))
     first = _writer(tmp_path).write_state(state, meta=meta)
     created = json.loads((first.path / "manifest.json").read_bytes())["created_at"]
-    _writer(tmp_path).write_state(state, meta=meta)
+    again = _writer(tmp_path).write_state(state, meta=meta)
     assert json.loads((first.path / "manifest.json").read_bytes())["created_at"] == created
+    assert again.manifest.created_at == created
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000002"]
 
 

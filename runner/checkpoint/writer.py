@@ -265,10 +265,10 @@ class CheckpointWriter:
             out.commit(sync_dir=False)
         fsync_dir(stage.path)
         final = self.ckpt_dir / step_dir_name(meta.step)
-        self._publish(stage.path, final, manifest)
-        return CommittedCheckpoint(step=meta.step, path=final, manifest=manifest)
+        in_place = self._publish(stage.path, final, manifest)
+        return CommittedCheckpoint(step=meta.step, path=final, manifest=in_place)
 
-    def _publish(self, staged: Path, final: Path, manifest: Manifest) -> None:
+    def _publish(self, staged: Path, final: Path, manifest: Manifest) -> Manifest:
         """Rename the staged dir to its final name, handling an existing checkpoint there.
 
         Same fingerprint and it verifies: keep the old one, discard ours. Otherwise the old
@@ -283,10 +283,11 @@ class CheckpointWriter:
                     raise
             else:
                 fsync_dir(self.ckpt_dir)
-                return
-            if _same_and_valid(final, manifest):
+                return manifest
+            existing = _same_and_valid(final, manifest)
+            if existing is not None:
                 log.info("%s already holds this state; discarding the duplicate", final)
-                return
+                return existing
             aside = final.with_name(
                 f"{TMP_PREFIX}{final.name}-{os.getpid()}-replaced-{uuid.uuid4().hex[:8]}"
             )
@@ -298,7 +299,7 @@ class CheckpointWriter:
             fsync_dir(self.ckpt_dir)
             log.warning("replaced %s (different or corrupt state) with a new save", final)
             shutil.rmtree(aside, ignore_errors=True)
-            return
+            return manifest
         raise RunnerError(f"could not commit {final}: another writer keeps replacing it")
 
 
@@ -334,12 +335,14 @@ class _ZipCrc32Off:
 _without_zip_crc32 = _ZipCrc32Off()
 
 
-def _same_and_valid(existing: Path, manifest: Manifest) -> bool:
+def _same_and_valid(existing: Path, manifest: Manifest) -> Manifest | None:
+    """The existing checkpoint's manifest if it verifies and holds the same state."""
     try:
         old = verify_dir(existing)
     except IntegrityError:
-        return False
-    return bool(old.fingerprint) and old.fingerprint == manifest.fingerprint
+        return None
+    same = bool(old.fingerprint) and old.fingerprint == manifest.fingerprint
+    return old if same else None
 
 
 def _owner_pid(name: str) -> int | None:
