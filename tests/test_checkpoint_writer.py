@@ -17,6 +17,7 @@ import torch
 from runner.checkpoint.atomic import PARALLEL_HASH_MIN, HashingFileWriter
 from runner.checkpoint.reader import load_state, verify_dir
 from runner.checkpoint.writer import CheckpointWriter
+from runner.errors import IntegrityError
 from tests.fixtures.ckpt import meta_for, state_fingerprint, tiny_train_state
 
 
@@ -248,3 +249,25 @@ def test_zip_crc32_is_skipped_during_our_save_and_restored_after(tmp_path: Path)
     assert torch.equal(load_state(ckpt.path)["model"]["0.weight"], state["model"]["0.weight"])
     torch.save({"x": torch.ones(3)}, tmp_path / "plain.pt")  # unaffected outside our saves
     assert torch.load(tmp_path / "plain.pt", weights_only=True)["x"].sum() == 3
+
+
+def test_adopt_moves_files_in_and_gives_them_back_on_failure(tmp_path: Path) -> None:
+    from runner.checkpoint.writer import CheckpointMeta
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    src = ckpts / "step_000004.bin"
+    src.write_bytes(b"seed bytes")
+    meta = CheckpointMeta(
+        step=4, samples_seen=0, world_size=0, epoch=0, batch_in_epoch=0, fingerprint=""
+    )
+    with pytest.raises(IntegrityError, match="world_size must be >= 1"):
+        _writer(tmp_path).adopt_files({"step_000004.bin": src}, meta=meta, format="seed-bin")
+    assert src.read_bytes() == b"seed bytes"
+    assert [p.name for p in ckpts.iterdir()] == ["step_000004.bin"]
+    good = CheckpointMeta(
+        step=4, samples_seen=0, world_size=1, epoch=0, batch_in_epoch=0, fingerprint=""
+    )
+    ckpt = _writer(tmp_path).adopt_files({"step_000004.bin": src}, meta=good, format="seed-bin")
+    assert not src.exists()
+    assert verify_dir(ckpt.path).files[0].sha256 == hashlib.sha256(b"seed bytes").hexdigest()

@@ -5,9 +5,9 @@
     rename -> checkpoints/step_NNNNNN/, parent fsynced
 
 A crash at any instant leaves the previous checkpoints untouched and, at worst, a `.tmp-`
-directory that readers ignore and `cleanup_partial` removes. A writer holds no mutable state
-shared between calls except the set of its own in-flight temp dirs (guarded by a lock), so
-`write_state` can run on a snapshot in a background thread.
+directory that readers ignore and `cleanup_partial` removes. A writer keeps no mutable state
+between calls (the only shared fact is the process-wide, locked set of temp dirs being
+written), so `write_state` can run on a snapshot in a background thread.
 """
 
 from __future__ import annotations
@@ -169,14 +169,24 @@ class CheckpointWriter:
         and checked against the copy for a copy."""
         digests = digests or {}
         with self._staging(meta.step) as stage:
-            for name, src in files.items():
-                if copy:
-                    entry = stage.copy_in(name, src)
-                    if name in digests and digests[name] != (entry.size, entry.sha256):
-                        raise IntegrityError(f"{src} changed while it was being copied")
-                else:
-                    stage.move_in(name, src, digest=digests.get(name))
-            return self._commit(stage, meta=meta, format=format)
+            moved: list[tuple[Path, Path]] = []
+            try:
+                for name, src in files.items():
+                    if copy:
+                        entry = stage.copy_in(name, src)
+                        if name in digests and digests[name] != (entry.size, entry.sha256):
+                            raise IntegrityError(f"{src} changed while it was being copied")
+                    else:
+                        stage.move_in(name, src, digest=digests.get(name))
+                        moved.append((stage.path / name, src))
+                return self._commit(stage, meta=meta, format=format)
+            except BaseException:
+                # the files were the caller's: give them back rather than delete them with
+                # the staging dir (best effort; a crash here leaves them in the .tmp- dir)
+                for inside, src in moved:
+                    if inside.exists():
+                        os.rename(inside, src)
+                raise
 
     def copy_streams(
         self,
