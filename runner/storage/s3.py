@@ -60,8 +60,8 @@ MiB = 1024 * 1024
 class TransferSettings:
     """How large objects are split and how many parts move at once."""
 
-    part_size: int = 32 * MiB
-    multipart_threshold: int = 32 * MiB
+    part_size: int = 16 * MiB
+    multipart_threshold: int = 16 * MiB
     concurrency: int = 8
     request_attempts: int = 3
     """Tries of one HTTP request inside botocore (a dropped part is resent alone)."""

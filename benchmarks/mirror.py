@@ -1,0 +1,196 @@
+"""Mirror throughput against boto3's defaults, side by side in one run, on a local SeaweedFS.
+
+A committed checkpoint of one payload file (default 1440 MB, the seeds' ANDREA-120M with m and
+v; random bytes, so nothing compresses) is moved four ways:
+
+  upload    runner   upload_checkpoint: sha256 + part digests in one read, multipart upload
+                     with per-part SHA-256, HEAD with size and composite-checksum check,
+                     manifest last (create-only)
+            boto3    client.upload_file with the default TransferConfig (no verification)
+  download  runner   download_checkpoint: concurrent ranged GETs, fsync, sha256 of every file,
+                     manifest last, directory rename
+            boto3    client.download_file with the default TransferConfig (no verification)
+
+Then the time to make a final checkpoint durable: `Mirror.upload_now` of the same checkpoint,
+and, when `runner demo` exists, SIGTERM to exit of a demo run with `--mirror` (exit 75 only
+after the final checkpoint is in the bucket).
+
+Usage: python benchmarks/mirror.py [--size-mb 1440] [--repeat 1] [--dir PATH]
+Ratios > 1 mean the runner is faster than boto3's default (throughput ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the SeaweedFS helper lives with the test fixtures
+
+from runner.checkpoint.manifest import FORMAT_SEED_BIN  # noqa: E402
+from runner.checkpoint.writer import (  # noqa: E402
+    CheckpointMeta,
+    CheckpointWriter,
+    CommittedCheckpoint,
+)
+from runner.mirror import Mirror, download_checkpoint, upload_checkpoint  # noqa: E402
+from runner.storage.s3 import S3Storage  # noqa: E402
+from tests.fixtures.s3 import SeaweedS3, start_seaweedfs  # noqa: E402
+
+MB = 1_000_000
+
+
+def make_checkpoint(run_dir: Path, size: int) -> CommittedCheckpoint:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    src = run_dir / "payload.bin"
+    digest = hashlib.sha256()
+    with open(src, "wb") as f:
+        remaining = size
+        while remaining:
+            chunk = os.urandom(min(remaining, 16 * 1024 * 1024))
+            f.write(chunk)
+            digest.update(chunk)
+            remaining -= len(chunk)
+    writer = CheckpointWriter(run_dir / "checkpoints", run_id="bench", writer_id="bench")
+    meta = CheckpointMeta(
+        step=100,
+        samples_seen=3200,
+        world_size=1,
+        epoch=0,
+        batch_in_epoch=100,
+        fingerprint=digest.hexdigest(),
+    )
+    return writer.adopt_files({"state.bin": src}, meta=meta, format=FORMAT_SEED_BIN)
+
+
+def timed(func: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    func()
+    return time.perf_counter() - started
+
+
+def demo_sigterm_to_durable(server: SeaweedS3, workdir: Path) -> float | None:
+    """Seconds from SIGTERM to the exit of `runner demo --mirror` (None without a demo)."""
+    bucket = server.create_bucket()
+    run_dir = workdir / "demo-run"
+    cmd = [
+        sys.executable, "-m", "runner", "demo", "--run-dir", str(run_dir), "--steps", "100000",
+        "--ckpt-every", "25", "--device", "cpu", "--no-progress",
+        "--mirror", f"s3://{bucket}/demo",
+    ]  # fmt: skip
+    env = {**os.environ, **server.env()}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "checkpoints" / "step_000025").is_dir():
+            break
+        time.sleep(0.1)
+    if proc.poll() is not None:
+        output = proc.stdout.read().decode() if proc.stdout else ""
+        print(f"demo exited early ({proc.returncode}); skipping the SIGTERM figure:\n{output}")
+        return None
+    time.sleep(1.0)
+    started = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=300)[0].decode()
+    elapsed = time.perf_counter() - started
+    durable = re.search(r"durable in local \+ mirror", output)
+    if proc.returncode != 75 or not durable:
+        print(f"demo did not report a durable final checkpoint (exit {proc.returncode})")
+        return None
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mb", type=int, default=1440)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch space (default: /tmp)")
+    args = parser.parse_args()
+    size = args.size_mb * MB
+
+    workdir = Path(tempfile.mkdtemp(prefix="mirror-bench-", dir=args.dir))
+    running = start_seaweedfs(workdir / "seaweedfs")
+    try:
+        os.environ.update(running.server.env())  # the runner reads the standard AWS chain
+        server = running.server
+        bucket = server.create_bucket()
+        storage = S3Storage.from_uri(f"s3://{bucket}/runner")
+        client = server.client()
+        ckpt = make_checkpoint(workdir / "run", size)
+        step_dir = ckpt.path
+        payload = step_dir / "state.bin"
+        print(f"checkpoint: {size / MB:.0f} MB, SeaweedFS at {server.endpoint}")
+        print(f"runner settings: {storage.settings}")
+
+        results: dict[str, list[float]] = {k: [] for k in ("up_b", "up_r", "down_b", "down_r")}
+        for i in range(args.repeat):
+            results["up_b"].append(
+                timed(lambda i=i: client.upload_file(str(payload), bucket, f"boto3/{i}/state.bin"))
+            )
+            results["up_r"].append(
+                timed(lambda i=i: upload_checkpoint(storage, step_dir, writer_id=f"bench-{i}"))
+            )
+            target = workdir / f"down-{i}"
+            target.mkdir()
+            results["down_b"].append(
+                timed(
+                    lambda i=i, t=target: client.download_file(
+                        bucket, f"boto3/{i}/state.bin", str(t / "state.bin")
+                    )
+                )
+            )
+            results["down_r"].append(
+                timed(lambda t=target: download_checkpoint(storage, 100, t / "run"))
+            )
+            shutil.rmtree(target)
+            if i + 1 < args.repeat:  # the next upload must not find the step already there
+                for info in list(storage.list("checkpoints/")):
+                    storage.delete(info.key)
+
+        print(f"\n{'':22} {'seconds':>8} {'MB/s':>8}")
+        for label, key in (
+            ("upload   boto3 default", "up_b"),
+            ("upload   runner", "up_r"),
+            ("download boto3 default", "down_b"),
+            ("download runner", "down_r"),
+        ):
+            best = min(results[key])
+            print(f"{label:22} {best:8.2f} {size / MB / best:8.1f}")
+        up = min(results["up_b"]) / min(results["up_r"])
+        down = min(results["down_b"]) / min(results["down_r"])
+        print(f"\nratio upload   runner / boto3 default: {up:.2f}x (runner also verifies)")
+        print(f"ratio download runner / boto3 default: {down:.2f}x (runner also verifies)")
+
+        # the final checkpoint of a preempted run: a fresh step, uploaded before a deadline
+        for info in list(storage.list("checkpoints/")):
+            storage.delete(info.key)
+        mirror = Mirror(storage, keep=2, writer_id="bench-final")
+        started = time.perf_counter()
+        landed = mirror.upload_now(ckpt, deadline=time.monotonic() + 600)
+        final = time.perf_counter() - started
+        mirror.close()
+        print(f"\nfinal checkpoint upload_now: {final:.2f}s ({'landed' if landed else 'FAILED'})")
+        demo = demo_sigterm_to_durable(server, workdir)
+        if demo is not None:
+            print(
+                f"runner demo: SIGTERM to exit 75 with the final checkpoint in the bucket: "
+                f"{demo:.2f}s"
+            )
+    finally:
+        running.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
