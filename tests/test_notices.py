@@ -174,7 +174,7 @@ def test_auto_off_cloud_does_not_block_start_up(tmp_path: Path, controller: Stop
         poller = start_notice_poller(_config(tmp_path, "auto", url), controller)
         started_in = time.monotonic() - start
         assert poller is not None
-        assert started_in < 0.1, f"start-up waited {started_in:.3f}s for the probe"
+        assert started_in < 0.5, f"start-up waited {started_in:.3f}s for the probe (timeout 1 s)"
         assert poller.running  # still probing in the background
         poller.close(timeout=5.0)
     finally:
