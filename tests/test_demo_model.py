@@ -98,3 +98,5 @@ def test_device_and_settings_are_validated() -> None:
         build_demo(seed=0, device="cpu", batch_size=4, total_steps=3, depth=9)
     with pytest.raises(ConfigError, match="--steps must be >= 1"):
         build_demo(seed=0, device="cpu", batch_size=4, total_steps=0)
+    with pytest.raises(ConfigError, match="not divisible by n_heads=3"):
+        build_demo(seed=0, device="cpu", batch_size=4, total_steps=3, n_heads=3)

@@ -51,6 +51,8 @@ class DemoConfig:
             raise ConfigError(f"--steps must be >= 1, got {self.total_steps}")
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
 
 def warmup_cosine(config: DemoConfig) -> Callable[[int], float]:
