@@ -273,3 +273,51 @@ def test_run_metrics_follow_checkpoints_and_count_failures_while_the_s3_link_is_
             process.kill()
             process.wait()
         link.cut()
+
+
+@pytest.mark.e2e
+def test_demo_metrics_follow_checkpoints(tmp_path):
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "demo",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--mirror",
+            f"file://{tmp_path / 'bucket'}",
+            "--steps",
+            "16",
+            "--ckpt-every",
+            "4",
+            "--batch-size",
+            "4",
+            "--metrics-port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "demo.log").open("wb"),
+    )
+    scraper = Scraper(port, process)
+    try:
+        last = scraper.until(
+            "a second checkpoint in the mirror",
+            lambda s: (value(s, "runner_checkpoint_last_step", location="remote") or 0) >= 8,
+            timeout=180,
+        )
+        steps = [step for step in scraper.series("runner_train_step") if step is not None]
+        assert steps == sorted(steps) and steps[-1] >= 8
+        local = [s for s in scraper.series("runner_checkpoint_last_step", location="local") if s]
+        assert local == sorted(local) and set(local) <= {4.0, 8.0, 12.0, 16.0}
+        assert_age_resets_at_each_checkpoint(scraper, "local")
+        assert value(last, "runner_checkpoint_failures_total", stage="save") == 0
+        assert value(last, "runner_checkpoint_failures_total", stage="upload") == 0
+        assert (value(last, "runner_checkpoint_bytes") or 0) > 0
+        assert (value(last, "runner_checkpoint_save_duration_seconds_count") or 0) >= 2
+        assert process.wait(timeout=180) == 0, (tmp_path / "demo.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
