@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from runner.demo.components import DemoComponents, build_demo
 from runner.errors import ConfigError
@@ -12,6 +14,15 @@ from runner.train_state import Counters
 from runner.worldsize import position_from_samples_seen, rescale_counters, rescale_step
 
 SETTINGS = {"seed": 1, "device": "cpu", "batch_size": 4, "total_steps": 40, "max_samples": 40}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # Tiny models: one intra-op thread is fastest, and far faster when the CPU is shared.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _demo(*, world_size: int = 1, rank: int = 0) -> DemoComponents:
