@@ -29,7 +29,7 @@ from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 
 TRIALS = 120
 KEEP = 3
-FLOATS = 96 * 1024  # ~1.5 MB per checkpoint: long enough that kills land mid-write
+FLOATS = 96 * 1024  # ~0.8 MB per checkpoint: long enough that kills land mid-write
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -48,6 +48,7 @@ def _fingerprint(step: int) -> str:
 
 
 def _save(writer: CheckpointWriter, step: int) -> None:
+    """Commit the state of `step` (every third one through a sharding writer)."""
     meta = CheckpointMeta(
         step=step,
         samples_seen=step * 4,
@@ -66,12 +67,21 @@ def _saver(run_dir: Path) -> None:
     from runner.storage.file import FileStorage
 
     ckpt_dir = run_dir / "checkpoints"
-    writer = CheckpointWriter(ckpt_dir, run_id="kill", writer_id=str(os.getpid()), stale_seconds=0)
-    writer.cleanup_partial()
+    writers = [
+        CheckpointWriter(
+            ckpt_dir,
+            run_id="kill",
+            writer_id=str(os.getpid()),
+            stale_seconds=0,
+            shard_bytes=shard_bytes,
+        )
+        for shard_bytes in (None, None, FLOATS)  # FLOATS bytes: a shard per big tensor
+    ]
+    writers[0].cleanup_partial()
     step = (committed_steps(ckpt_dir) or [0])[-1]
     while True:
         step += 1
-        _save(writer, step)
+        _save(writers[step % 3], step)
         prune(FileStorage(run_dir), keep=KEEP, newest_ok=step)
 
 
@@ -110,6 +120,10 @@ def _runner_verify(run_dir: Path) -> tuple[int, list[dict[str, Any]]]:
     return code, json.loads(out.getvalue() or "[]")
 
 
+def load_manifest_format(run_dir: Path, step: int) -> str:
+    return verify_dir(run_dir / "checkpoints" / f"step_{step:06d}").format
+
+
 def _check_final_names(ckpt_dir: Path) -> list[int]:
     """Every non-temp entry is a committed step dir whose files all verify."""
     steps = []
@@ -118,7 +132,8 @@ def _check_final_names(ckpt_dir: Path) -> list[int]:
             continue
         assert entry.name.startswith("step_") and (entry / "manifest.json").is_file(), entry
         manifest = verify_dir(entry)
-        assert {p.name for p in entry.iterdir()} == {"manifest.json", "state.pt"}, entry
+        listed = {f.path for f in manifest.files}
+        assert {p.name for p in entry.iterdir()} == {"manifest.json", *listed}, entry
         steps.append(manifest.step)
     return sorted(steps)
 
@@ -143,6 +158,7 @@ def test_sigkill_at_random_instants_never_breaks_the_newest_checkpoint(tmp_path:
 
     started = time.monotonic()
     newest_seen = 0
+    formats: set[str] = set()
     mid_save = 0  # kills that left a temp dir behind: they interrupted a save or a prune
     try:
         assert zygote.stdout.readline().strip() == "ready"
@@ -167,6 +183,7 @@ def test_sigkill_at_random_instants_never_breaks_the_newest_checkpoint(tmp_path:
             assert newest["step"] >= newest_seen
             newest_seen = newest["step"]
 
+            formats.add(load_manifest_format(run_dir, newest["step"]))
             steps = _check_final_names(run_dir / "checkpoints")
             assert steps[-1] == newest["step"]
             leftovers = [p for p in (run_dir / "checkpoints").iterdir() if p.name[:5] == ".tmp-"]
@@ -176,6 +193,7 @@ def test_sigkill_at_random_instants_never_breaks_the_newest_checkpoint(tmp_path:
         zygote.wait()
     elapsed = time.monotonic() - started
     assert newest_seen >= TRIALS // 4, f"only {newest_seen} saves committed in {TRIALS} trials"
+    assert formats == {"torch-state", "torch-sharded"}
     assert mid_save >= TRIALS // 4, f"only {mid_save} of {TRIALS} kills interrupted a write"
     print(f"{TRIALS} kills, {mid_save} mid-write, {newest_seen} commits, {elapsed:.1f}s")
     assert elapsed < 90, f"{TRIALS} trials took {elapsed:.0f}s"
