@@ -2,8 +2,8 @@
 
 60 steps straight vs. 30 steps, a committed checkpoint (CheckpointWriter), and the remaining 30
 in another process that loads it verified and weights-only: identical fingerprints and loss
-histories, with shuffled data, dropout and a warmup+cosine LR schedule. Epochs are 7 batches long, so step 30 is in the middle of epoch 4 and step 28 is an
-epoch boundary.
+histories, with shuffled data, dropout and a warmup+cosine LR schedule. Epochs are 7 batches
+long, so step 30 is in the middle of epoch 4 and step 28 is an epoch boundary.
 """
 
 from __future__ import annotations
