@@ -7,10 +7,13 @@ python -m runner.alerting --stale-after 3h --mirror-lag 1h > my-alerts.yml
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import click
 
 from runner.alerting.render import render_prometheus_rule, render_rules_file
-from runner.alerting.rules import Thresholds, parse_duration
+from runner.alerting.rules import Thresholds, format_duration, parse_duration
 from runner.errors import RunnerError
 
 _DEFAULTS = Thresholds()
@@ -21,7 +24,7 @@ def _duration_option(flag: str, field: str, help: str) -> click.Option:
         [flag, field],
         default=None,
         metavar="DURATION",
-        help=f"{help} (default {getattr(_DEFAULTS, field)}s).",
+        help=f"{help} (default {format_duration(getattr(_DEFAULTS, field))}).",
     )
 
 
@@ -51,12 +54,12 @@ def main(fmt: str, job_matcher: str | None, **durations: str | None) -> None:
     """Print the spot-runner alert rules (RunnerCheckpointStale, ...MirrorLagging,
     ...Failures, RunnerDown) with the given thresholds."""
     try:
-        overrides: dict[str, int | str] = {
+        overrides: dict[str, Any] = {
             name: parse_duration(value) for name, value in durations.items() if value is not None
         }
         if job_matcher is not None:
             overrides["job_matcher"] = job_matcher
-        thresholds = Thresholds(**overrides)  # type: ignore[arg-type]
+        thresholds = dataclasses.replace(_DEFAULTS, **overrides)
     except RunnerError as exc:
         raise click.UsageError(str(exc)) from exc
     if fmt == "rules":
