@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from datetime import datetime
@@ -138,3 +139,32 @@ def test_age_is_measured_from_the_manifest_creation_time(run_and_mirror):
     status = location_status(str(run_dir), verify=True, now=created.timestamp() + 3720)
     assert status.newest is not None
     assert status.newest.age_seconds == pytest.approx(3720)
+
+
+@pytest.mark.e2e
+def test_status_of_an_s3_mirror(run_and_mirror, s3_server):
+    run_dir, _, _, second = run_and_mirror
+    bucket = s3_server.create_bucket()
+    uri = f"s3://{bucket}/runs/demo"
+    env = {**os.environ, **s3_server.env()}
+    subprocess.run(
+        [sys.executable, "-m", "runner", "push", str(run_dir), uri],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "status", uri, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == EXIT_OK, result.stderr
+    (status,) = json.loads(result.stdout)
+    assert status["steps"] == [10, 20]
+    assert status["newest"]["step"] == 20
+    assert status["newest"]["verified"] is True
+    assert status["newest"]["fingerprint"] == second.manifest.fingerprint
