@@ -35,8 +35,9 @@ def config_from_options(**kwargs: Any) -> RunConfig:
     "--threads",
     envvar="RUNNER_THREADS",
     type=int,
-    default=None,
-    help="torch CPU threads (default: torch's choice).",
+    default=1,
+    show_default=True,
+    help="torch CPU threads; CPU results are bit-exact only at the same count.",
 )
 @click.option(
     "--progress/--no-progress",
@@ -75,7 +76,7 @@ def drill(steps: int, stop_at: int | None, seed: int, work_dir: str | None, as_j
         raise click.BadParameter("need --steps >= 2 and 0 < --stop-at < --steps")
     with tempfile.TemporaryDirectory(prefix="runner-drill-") as tmp:
         report = run_drill(work_dir=Path(work_dir or tmp), steps=steps, seed=seed, stop_at=stop_at)
-    results = run_ablation_study(steps=steps, stop_at=report.stopped_at, seed=seed)
+    results = run_ablation_study(steps=steps, stop_at=min(report.stopped_at, steps - 1), seed=seed)
     if as_json:
         click.echo(report_json(report, [dataclasses.asdict(r) for r in results]))
     else:
