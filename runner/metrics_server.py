@@ -111,22 +111,30 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
+        self._respond(with_body=True)
+
+    def do_HEAD(self) -> None:
+        # Some load balancers and probes check with HEAD.
+        self._respond(with_body=False)
+
+    def _respond(self, *, with_body: bool) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._send(200, content_type, encoder(self.server.metrics.registry))
+            status, body = 200, encoder(self.server.metrics.registry)
         elif path == "/healthz":
-            body = json.dumps(self.server.metrics.health(), sort_keys=True) + "\n"
-            self._send(200, "application/json", body.encode())
+            content_type = "application/json"
+            status = 200
+            body = (json.dumps(self.server.metrics.health(), sort_keys=True) + "\n").encode()
         else:
-            self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics or /healthz\n")
-
-    def _send(self, status: int, content_type: str, body: bytes) -> None:
+            content_type = "text/plain; charset=utf-8"
+            status, body = 404, b"not found: try /metrics or /healthz\n"
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if with_body:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         # Scrapes every few seconds would flood the training log; errors still surface.

@@ -239,6 +239,12 @@ def test_server_exposes_every_contract_metric_and_health(metrics, clock):
             fetch(f"{server.url}/nope")
         assert err.value.code == 404
 
+        head = urllib.request.Request(f"{server.url}/healthz", method="HEAD")
+        with urllib.request.urlopen(head, timeout=5) as response:
+            assert response.status == 200
+            assert int(response.headers["Content-Length"]) > 0
+            assert response.read() == b""
+
 
 def test_server_close_releases_the_port(metrics):
     server = serve_metrics(metrics, host="127.0.0.1", port=None)
