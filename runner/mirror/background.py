@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -51,6 +52,7 @@ class Mirror:
         self._cond = threading.Condition()
         self._pending: CommittedCheckpoint | None = None
         self._active: set[int] = set()  # steps being uploaded right now (worker or final)
+        self._worker_step: int | None = None  # what the background thread is uploading
         self._closing = False
         self._worker: threading.Thread | None = None
         self.last_uploaded: int | None = None
@@ -90,6 +92,7 @@ class Mirror:
                     return
                 ckpt, self._pending = self._pending, None
                 self._active.add(ckpt.step)
+                self._worker_step = ckpt.step
             try:
                 self._upload(ckpt)
             except RunnerError:
@@ -100,6 +103,7 @@ class Mirror:
             finally:
                 with self._cond:
                     self._active.discard(ckpt.step)
+                    self._worker_step = None
                     self._cond.notify_all()
 
     # -- the final checkpoint ------------------------------------------------------------
@@ -218,21 +222,41 @@ class Mirror:
         return resolve_resume(run_dir, self.storage, on_skip=on_skip, progress=progress)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or uploading; False on timeout."""
+        """Wait until the background queue is empty and its thread idle; False on timeout.
+        (`upload_now` blocks its caller, so it is never waited for here.)"""
+        return self._wait(lambda: self._pending is None and self._worker_step is None, timeout)
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Finish what is queued, then stop the worker. Uploads older than a checkpoint that
+        already landed (e.g. a periodic one overtaken by the final upload) are not waited
+        for: at shutdown the grace period belongs to the newest checkpoint."""
+
+        def settled() -> bool:
+            newest = self.last_uploaded if self.last_uploaded is not None else -1
+            if self._pending is not None and self._pending.step <= newest:
+                log.info(
+                    "mirror: dropping queued step %d, step %d is already uploaded",
+                    self._pending.step,
+                    newest,
+                )
+                self._pending = None
+            busy = self._worker_step is not None and self._worker_step > newest
+            return self._pending is None and not busy
+
+        self._wait(settled, timeout)
+        with self._cond:
+            self._closing = True
+            idle = self._worker_step is None
+            self._cond.notify_all()
+        if self._worker is not None and idle:
+            self._worker.join(timeout)
+
+    def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending is not None or self._active:
+            while not done():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
         return True
-
-    def close(self, *, timeout: float | None = None) -> None:
-        """Finish what is queued, then stop the worker."""
-        self.wait_idle(timeout)
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        if self._worker is not None:
-            self._worker.join(timeout)

@@ -9,7 +9,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from runner.checkpoint.atomic import atomic_write_bytes, fsync_dir, sha256_file
+from runner.checkpoint.atomic import atomic_write_bytes, fsync_dir
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -84,12 +84,11 @@ def _download_one(
     storage: Storage, *, key: str, dst: Path, entry: FileEntry, progress: ProgressCallback | None
 ) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    storage.get_file(key, dst, progress=progress)
-    size, digest = sha256_file(dst)
-    if (size, digest) != (entry.size, entry.sha256):
-        what = "size" if size != entry.size else "sha256"
+    storage.get_file(key, dst, progress=progress, sha256=entry.sha256)  # hashed in-stream
+    size = dst.stat().st_size
+    if size != entry.size:
         raise IntegrityError(
-            f"{storage.uri}/{key}: {what} differs from the manifest after download "
+            f"{storage.uri}/{key}: {size} bytes downloaded, the manifest says {entry.size} "
             "(the remote copy is corrupt)"
         )
 

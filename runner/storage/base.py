@@ -45,8 +45,17 @@ class Storage(Protocol):
         replacing an existing object (atomic where the backend allows)."""
         ...
 
-    def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
-        """Download to dst atomically (temp file in dst's directory, fsync, rename)."""
+    def get_file(
+        self,
+        key: str,
+        dst: Path,
+        *,
+        progress: ProgressCallback | None = None,
+        sha256: str | None = None,
+    ) -> None:
+        """Download to dst atomically (temp file in dst's directory, fsync, rename). When
+        sha256 is given it is checked in the same pass; a mismatch raises IntegrityError and
+        leaves nothing at dst."""
         ...
 
     def get_bytes(self, key: str) -> bytes: ...

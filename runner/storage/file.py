@@ -80,12 +80,24 @@ class FileStorage:
         finally:
             temp.unlink(missing_ok=True)
 
-    def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
+    def get_file(
+        self,
+        key: str,
+        dst: Path,
+        *,
+        progress: ProgressCallback | None = None,
+        sha256: str | None = None,
+    ) -> None:
         with self.open_read(key) as f, HashingFileWriter(dst) as writer:
             for chunk in read_chunks(f):
                 writer.write(chunk)
                 if progress:
                     progress(len(chunk))
+            if sha256 is not None and writer.digest_so_far() != sha256:
+                raise IntegrityError(
+                    f"{self.uri}/{key}: sha256 differs from the manifest (the stored copy is "
+                    "corrupt)"
+                )
             writer.commit()
 
     def get_bytes(self, key: str) -> bytes:

@@ -24,7 +24,6 @@ import base64
 import hashlib
 import io
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,10 +37,11 @@ from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.subscribers import BaseSubscriber
 from s3transfer.utils import ChunksizeAdjuster
 
-from runner.checkpoint.atomic import CHUNK, fsync_dir, temp_path_for
+from runner.checkpoint.atomic import CHUNK, HashingFileWriter
 from runner.errors import (
     ConfigError,
     IntegrityError,
+    RunnerError,
     StorageConflictError,
     StorageError,
     StorageTransientError,
@@ -169,6 +169,8 @@ class S3Storage:
         def attempt() -> T:
             try:
                 return func()
+            except RunnerError:  # already in the project's terms (integrity, conflict, ...)
+                raise
             except Exception as exc:  # classified below; unknown errors stay StorageError
                 raise classify(
                     exc, bucket=self.bucket, key=self._full_or_raw(key), endpoint=self.endpoint
@@ -348,26 +350,35 @@ class S3Storage:
 
     # -- download ------------------------------------------------------------------------
 
-    def get_file(self, key: str, dst: Path, *, progress: ProgressCallback | None = None) -> None:
+    def get_file(
+        self,
+        key: str,
+        dst: Path,
+        *,
+        progress: ProgressCallback | None = None,
+        sha256: str | None = None,
+    ) -> None:
+        """Concurrent ranged GETs written in order into a hashing temp file (s3transfer keeps
+        a non-seekable target in order), so the sha256 comes from the same pass; fsync,
+        rename. With sha256 given, a mismatch raises IntegrityError and leaves nothing."""
         full_key = self._full(key)
         dst = Path(dst)
 
         def download() -> None:
-            temp = temp_path_for(dst)
             subscribers = [_Progress(progress)] if progress else []
-            try:
+            with HashingFileWriter(dst) as writer:
                 with TransferManager(
                     self._client, config=self.settings.transfer_config()
                 ) as manager:
                     manager.download(
-                        self.bucket, full_key, str(temp), subscribers=subscribers
+                        self.bucket, full_key, cast(Any, writer), subscribers=subscribers
                     ).result()
-                with open(temp, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(temp, dst)
-                fsync_dir(dst.parent)
-            finally:
-                temp.unlink(missing_ok=True)
+                if sha256 is not None and writer.digest_so_far() != sha256:
+                    raise IntegrityError(
+                        f"{self.uri}/{key}: sha256 of the downloaded bytes differs from the "
+                        "manifest (the stored copy is corrupt)"
+                    )
+                writer.commit()
 
         self._call("download", key, download)
 
