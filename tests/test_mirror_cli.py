@@ -63,6 +63,12 @@ def test_push_ls_verify_pull_prune_fork_on_s3(s3_server: SeaweedS3, tmp_path: Pa
     assert "step 30" in verified.stderr and "corrupt" in verified.stderr
     assert "newest that verifies: step 20" in verified.stderr
 
+    status = runner("status", location, "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    (summary,) = json.loads(status.stdout)
+    assert summary["newest"]["step"] == 30 and summary["newest"]["verified"] is False
+    assert summary["newest_verified"]["step"] == 20
+
     dest = tmp_path / "pulled"
     pulled = runner("pull", location, str(dest), env=env)
     assert pulled.returncode == 0, pulled.stderr
