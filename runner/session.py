@@ -15,6 +15,7 @@ boundaries of the caller's loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -32,14 +33,15 @@ from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, Committed
 from runner.config import RunConfig
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.fingerprint import fingerprint
+from runner.metrics import RunnerMetrics
 from runner.policy import SavePolicy
 from runner.preemption.stop import StopController
 from runner.sampler import ResumableSampler
+from runner.services import Services, run_services
 from runner.sidecars import LossLog
 from runner.train_state import Counters, capture_train_state, restore_train_state
 
 if TYPE_CHECKING:
-    from runner.metrics import RunnerMetrics
     from runner.mirror import Mirror
 
 log = logging.getLogger(__name__)
@@ -125,14 +127,18 @@ class TrainSession:
         *,
         state: TrainState,
         stop: StopController | None = None,
-        metrics: RunnerMetrics | None = None,
-        mirror: Mirror | None = None,
+        services: Services | None = None,
     ) -> None:
+        """`services` (metrics, mirror) default to those the config asks for, started here:
+        metrics served on `config.metrics_port`, notices polled, checkpoints mirrored."""
         self.config = config
         self.state = state
         self.stop = stop or StopController()
-        self.metrics = metrics
-        self.mirror = mirror if mirror is not None else _mirror_from_config(config, metrics)
+        self._owned = contextlib.ExitStack()
+        if services is None:
+            services = self._owned.enter_context(run_services(config, self.stop))
+        self.metrics: RunnerMetrics | None = services.metrics
+        self.mirror: Mirror | None = services.mirror
         self.run_dir = Path(config.run_dir)
         self.ckpt_dir = self.run_dir / CHECKPOINTS_DIR
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -170,8 +176,7 @@ class TrainSession:
 
     def close(self) -> None:
         self.loss_log.close()
-        if self.mirror is not None:
-            self.mirror.close()
+        self._owned.close()
 
     @property
     def step(self) -> int:
@@ -214,6 +219,10 @@ class TrainSession:
             self.metrics.train_step(counters.step)
             created = _parse_created_at(manifest)
             self.metrics.checkpoint_found(location="local", step=manifest.step, created_at=created)
+            if self.mirror is not None and self._mirror_holds(manifest.step):
+                self.metrics.checkpoint_found(
+                    location="remote", step=manifest.step, created_at=created
+                )
         log.info(
             "resumed from %s (step %d, %d samples seen%s)",
             step_dir,
@@ -236,6 +245,16 @@ class TrainSession:
 
         manifest = newest_verified(FileStorage(self.run_dir), on_skip=on_skip)
         return None if manifest is None else local_step_dir(self.run_dir, manifest.step)
+
+    def _mirror_holds(self, step: int) -> bool:
+        from runner.errors import StorageError
+        from runner.mirror import remote_manifest
+
+        assert self.mirror is not None
+        try:
+            return remote_manifest(self.mirror.storage, step) is not None
+        except StorageError:
+            return False
 
     def _backfill_loss_log(self) -> None:
         """On a fresh node loss.jsonl is gone with the old disk; the checkpoint carries the
@@ -375,17 +394,6 @@ class TrainSession:
             elapsed,
             budget,
         )
-
-
-def _mirror_from_config(config: RunConfig, metrics: RunnerMetrics | None) -> Mirror | None:
-    if config.mirror is None:
-        return None
-    from runner.mirror import Mirror
-    from runner.storage import open_storage
-
-    return Mirror(
-        open_storage(config.mirror), keep=config.keep, writer_id=config.writer_id, metrics=metrics
-    )
 
 
 def _parse_created_at(manifest: Manifest) -> float:

@@ -7,12 +7,15 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from runner.cli import options
 from runner.config import RunConfig
+
+if TYPE_CHECKING:
+    from runner.mirror import Mirror
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +76,9 @@ def run(
 
 def supervise(command: list[str], *, config: RunConfig, restart_backoff: float = 1.0) -> int:
     """Entry point body: signal handlers, notices, metrics and mirror around a Supervisor."""
-    from runner.preemption.notices import start_notice_poller
     from runner.preemption.signals import install_signal_handlers
     from runner.preemption.stop import StopController
+    from runner.services import run_services
     from runner.supervisor import Supervisor
 
     controller = StopController()
@@ -83,55 +86,28 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
     with contextlib.ExitStack() as stack:
         stack.callback(restore)
         stack.callback(controller.close)
-        metrics = _start_metrics(config, stack)
-        poller = start_notice_poller(config, controller, metrics)
-        if poller is not None:
-            stack.callback(poller.close)
-        mirror, resolve = _mirror_hooks(config, metrics, stack)
+        services = stack.enter_context(run_services(config, controller))
+        resolve = _resolver(config, services.mirror)
         code = Supervisor(
             command,
             config=config,
             controller=controller,
-            mirror=mirror,
-            metrics=metrics,
+            mirror=services.mirror,
+            metrics=services.metrics,
             resolve_resume=resolve,
             restart_backoff=restart_backoff,
         ).run()
     return code
 
 
-def _start_metrics(config: RunConfig, stack: contextlib.ExitStack) -> Any:
-    if config.metrics_port == 0:
+def _resolver(
+    config: RunConfig, mirror: Mirror | None
+) -> Callable[[Path, Callable[[int, str], None] | None], Path | None] | None:
+    """resolve_resume over local ∪ the mirror, for --mirror; None without one."""
+    if mirror is None:
         return None
-    from runner.metrics import RunnerMetrics
-    from runner.metrics_server import serve_metrics
-
-    metrics = RunnerMetrics()
-    server = serve_metrics(metrics, host=config.metrics_host, port=config.metrics_port)
-    stack.callback(server.close)
-    log.info("metrics on %s", server.url)
-    return metrics
-
-
-def _mirror_hooks(config: RunConfig, metrics: Any, stack: contextlib.ExitStack) -> tuple[Any, Any]:
-    """(mirror, resolve_resume) for --mirror; (None, None) without one."""
-    if config.mirror is None:
-        return None, None
-    from runner.mirror.resume import resolve_resume
-    from runner.storage import open_storage
-
-    storage = open_storage(config.mirror)
 
     def resolve(run_dir: Path, on_skip: Callable[[int, str], None] | None) -> Path | None:
-        return resolve_resume(run_dir, storage, on_skip=on_skip)
+        return mirror.resolve_resume(run_dir, on_skip=on_skip)
 
-    mirror = _make_mirror(storage, config=config, metrics=metrics)
-    if mirror is not None:
-        stack.callback(mirror.close)
-    return mirror, resolve
-
-
-def _make_mirror(storage: Any, *, config: RunConfig, metrics: Any) -> Any:
-    from runner.mirror import Mirror
-
-    return Mirror(storage, keep=config.keep, writer_id=config.writer_id, metrics=metrics)
+    return resolve

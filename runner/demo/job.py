@@ -8,8 +8,6 @@ import sys
 from runner.config import RunConfig
 from runner.demo.components import build_demo
 from runner.demo.display import ProgressDisplay
-from runner.metrics import RunnerMetrics, maybe_serve_metrics
-from runner.preemption.notices import start_notice_poller
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
 from runner.session import TrainSession
@@ -31,15 +29,12 @@ def run_demo(
     config.steps = total
     stop = StopController()
     restore_signals = install_signal_handlers(stop, grace_seconds=config.grace_seconds)
-    metrics = RunnerMetrics()
-    server = maybe_serve_metrics(metrics, host=config.metrics_host, port=config.metrics_port)
-    poller = start_notice_poller(config, stop, metrics)
     display = ProgressDisplay(total_steps=total, live=progress)
     try:
         components = build_demo(
             seed=config.seed, device=config.device, batch_size=batch_size, total_steps=total
         )
-        with TrainSession(config, state=components, stop=stop, metrics=metrics) as session:
+        with TrainSession(config, state=components, stop=stop) as session:
             if session.resumed_from is not None:
                 display.checkpoint(session.resumed_from)
             while not session.should_stop:
@@ -56,9 +51,5 @@ def run_demo(
         )
         return code
     finally:
-        if poller is not None:
-            poller.close()
-        if server is not None:
-            server.close()
         stop.close()
         restore_signals()

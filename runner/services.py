@@ -1,0 +1,58 @@
+"""The background services every entry point runs beside training: metrics (and their HTTP
+server), cloud preemption notice polling, and the mirror. Built from the config in one place so
+`runner demo`, `runner run` and the in-process `TrainSession` behave alike."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runner.config import RunConfig
+from runner.metrics import RunnerMetrics, maybe_serve_metrics
+from runner.preemption.notices import start_notice_poller
+from runner.preemption.stop import StopController
+
+if TYPE_CHECKING:
+    from runner.mirror import Mirror
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Services:
+    metrics: RunnerMetrics
+    mirror: Mirror | None
+
+
+def make_mirror(config: RunConfig, metrics: RunnerMetrics | None) -> Mirror | None:
+    """The mirror `--mirror` asks for, or None."""
+    if config.mirror is None:
+        return None
+    from runner.mirror import Mirror  # boto3 is imported only when a mirror is used
+    from runner.storage import open_storage
+
+    return Mirror(
+        open_storage(config.mirror), keep=config.keep, writer_id=config.writer_id, metrics=metrics
+    )
+
+
+@contextlib.contextmanager
+def run_services(config: RunConfig, stop: StopController) -> Iterator[Services]:
+    """Metrics served on `--metrics-port` (0: not served), the notice poller (`--notices`)
+    and the mirror; all stopped on exit, the mirror after its queued uploads."""
+    metrics = RunnerMetrics(mirrored=config.mirror is not None)
+    with contextlib.ExitStack() as stack:
+        server = maybe_serve_metrics(metrics, host=config.metrics_host, port=config.metrics_port)
+        if server is not None:
+            stack.callback(server.close)
+            log.info("metrics on %s", server.url)
+        poller = start_notice_poller(config, stop, metrics)
+        if poller is not None:
+            stack.callback(poller.close)
+        mirror = make_mirror(config, metrics)
+        if mirror is not None:
+            stack.callback(mirror.close)
+        yield Services(metrics=metrics, mirror=mirror)
