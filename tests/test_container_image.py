@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -84,3 +85,23 @@ def test_init_reaps_orphans(docker: Docker, runner_image: str) -> None:
         "print(states.count('Z'))"
     )
     assert docker("run", "--rm", runner_image, "python3", "-c", script).stdout.strip() == "0"
+
+
+@pytest.mark.e2e
+def test_healthcheck_follows_the_metrics_server(docker: Docker, runner_image: str) -> None:
+    # The image's defaults: metrics on 9400 inside the container, run dir /data/run.
+    command = ["runner", "demo", "--steps", "1000000"]
+    container = docker.start(runner_image, run_args=[], command=command)
+    probe = ["exec", container, "python3", "/usr/local/lib/spot-runner/healthcheck.py"]
+    deadline = time.monotonic() + 120
+    while docker(*probe, check=False).returncode != 0:
+        assert time.monotonic() < deadline, docker.logs(container)[-3000:]
+        assert docker.inspect(container)["State"]["Running"], docker.logs(container)[-3000:]
+        time.sleep(0.5)
+    # Nothing listening on the probed port: unhealthy.
+    wrong_port = docker("exec", "-e", "RUNNER_METRICS_PORT=1", *probe[1:], check=False)
+    assert wrong_port.returncode == 1
+    # Metrics disabled: nothing to probe, healthy.
+    disabled = docker("exec", "-e", "RUNNER_METRICS_PORT=0", *probe[1:], check=False)
+    assert disabled.returncode == 0
+    assert docker.stop(container, grace_s=60) == 75
