@@ -10,6 +10,7 @@ v; random bytes, so nothing compresses) is moved four ways:
   download  runner   download_checkpoint: concurrent ranged GETs, fsync, sha256 of every file,
                      manifest last, directory rename
             boto3    client.download_file with the default TransferConfig (no verification)
+            boto3+   the same, then fsync and a sha256 pass: the runner's guarantees done naively
 
 Then the time to make a final checkpoint durable: `Mirror.upload_now` of the same checkpoint,
 and, when `runner demo` exists, SIGTERM to exit of a demo run with `--mirror` (exit 75 only
@@ -37,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the SeaweedFS helper lives with the test fixtures
 
+from runner.checkpoint.atomic import sha256_file  # noqa: E402
 from runner.checkpoint.manifest import FORMAT_SEED_BIN  # noqa: E402
 from runner.checkpoint.writer import (  # noqa: E402
     CheckpointMeta,
@@ -71,6 +73,13 @@ def make_checkpoint(run_dir: Path, size: int) -> CommittedCheckpoint:
         fingerprint=digest.hexdigest(),
     )
     return writer.adopt_files({"state.bin": src}, meta=meta, format=FORMAT_SEED_BIN)
+
+
+def boto3_verified_download(client: object, bucket: str, key: str, dst: Path) -> None:
+    client.download_file(bucket, key, str(dst))  # type: ignore[attr-defined]
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
+    sha256_file(dst)
 
 
 def timed(func: Callable[[], object]) -> float:
@@ -133,7 +142,9 @@ def main() -> None:
         print(f"checkpoint: {size / MB:.0f} MB, SeaweedFS at {server.endpoint}")
         print(f"runner settings: {storage.settings}")
 
-        results: dict[str, list[float]] = {k: [] for k in ("up_b", "up_r", "down_b", "down_r")}
+        results: dict[str, list[float]] = {
+            k: [] for k in ("up_b", "up_r", "down_b", "down_bv", "down_r")
+        }
         for i in range(args.repeat):
             results["up_b"].append(
                 timed(lambda i=i: client.upload_file(str(payload), bucket, f"boto3/{i}/state.bin"))
@@ -150,6 +161,13 @@ def main() -> None:
                     )
                 )
             )
+            results["down_bv"].append(
+                timed(
+                    lambda i=i, t=target: boto3_verified_download(
+                        client, bucket, f"boto3/{i}/state.bin", t / "verified.bin"
+                    )
+                )
+            )
             results["down_r"].append(
                 timed(lambda t=target: download_checkpoint(storage, 100, t / "run"))
             )
@@ -158,19 +176,22 @@ def main() -> None:
                 for info in list(storage.list("checkpoints/")):
                     storage.delete(info.key)
 
-        print(f"\n{'':22} {'seconds':>8} {'MB/s':>8}")
+        print(f"\n{'':24} {'seconds':>8} {'MB/s':>8}")
         for label, key in (
             ("upload   boto3 default", "up_b"),
             ("upload   runner", "up_r"),
             ("download boto3 default", "down_b"),
+            ("download boto3+fsync+sha", "down_bv"),
             ("download runner", "down_r"),
         ):
             best = min(results[key])
-            print(f"{label:22} {best:8.2f} {size / MB / best:8.1f}")
+            print(f"{label:24} {best:8.2f} {size / MB / best:8.1f}")
         up = min(results["up_b"]) / min(results["up_r"])
         down = min(results["down_b"]) / min(results["down_r"])
         print(f"\nratio upload   runner / boto3 default: {up:.2f}x (runner also verifies)")
+        down_v = min(results["down_bv"]) / min(results["down_r"])
         print(f"ratio download runner / boto3 default: {down:.2f}x (runner also verifies)")
+        print(f"ratio download runner / boto3 + fsync + sha256: {down_v:.2f}x (same guarantees)")
 
         # the final checkpoint of a preempted run: a fresh step, uploaded before a deadline
         for info in list(storage.list("checkpoints/")):
