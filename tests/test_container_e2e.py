@@ -184,6 +184,22 @@ def test_docker_stop_checkpoints_to_the_bucket_and_a_fresh_container_resumes(
         (f["sha256"], f["size"]) for f in local["files"]
     )
     assert_remote_checkpoint_complete(s3, bucket, "preempted", reached)
+    # Any subcommand runs from the image: the runner's own verification of the bucket.
+    verify = docker(
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        *env_args(s3_server.env()),
+        runner_image,
+        "runner",
+        "verify",
+        f"s3://{bucket}/preempted",
+        check=False,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    newest = verify.stdout.splitlines()[0].split()
+    assert newest == ["step", str(reached), "ok"], verify.stdout
 
     # Node 2: a fresh, empty volume; only the bucket carries the state over.
     node2 = writable_run_dir(tmp_path / "node2")

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from runner.cli import options
+from runner.cli.main import cli
 from tests.fixtures.docker import K8S_DIR, find_resource, render_overlay
 
 K8S_VERSION = "1.30.0"
@@ -240,25 +240,23 @@ def test_job_lands_on_spot_nodes_of_every_common_provider(overlay: str) -> None:
     assert selected == set(SPOT_LABELS.items())
 
 
-def cli_env_vars() -> set[str]:
-    """Every RUNNER_* variable the CLI reads for `runner demo` / `runner run`."""
-
-    @options.run_options
-    @options.max_restarts
-    def probe(**_: Any) -> None: ...
-
-    params: list[click.Parameter] = getattr(probe, "__click_params__", [])
-    names = {p.envvar for p in params if isinstance(p.envvar, str)}
-    assert names, "no options with env vars found"
+def cli_env_vars(subcommand: str = "demo") -> set[str]:
+    """Every RUNNER_* variable `runner SUBCOMMAND` reads (its click options' envvars)."""
+    command = cli.get_command(click.Context(cli), subcommand)
+    assert command is not None, f"no subcommand {subcommand!r}"
+    names = {p.envvar for p in command.params if isinstance(p.envvar, str)}
+    assert names, f"runner {subcommand} has no options with env vars"
     return names
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_configmap_names_only_options_the_runner_reads(overlay: str) -> None:
-    config = find_resource(render_overlay(overlay), "ConfigMap", "spot-runner-config")["data"]
+    docs = render_overlay(overlay)
+    config = find_resource(docs, "ConfigMap", "spot-runner-config")["data"]
+    subcommand = runner_container(find_resource(docs, "Job"))["args"][1]
     runner_keys = {k for k in config if k.startswith("RUNNER_")}
-    unknown = runner_keys - cli_env_vars()
-    assert not unknown, f"ConfigMap keys no CLI option reads: {sorted(unknown)}"
+    unknown = runner_keys - cli_env_vars(subcommand)
+    assert not unknown, f"ConfigMap keys `runner {subcommand}` does not read: {sorted(unknown)}"
     other = set(config) - runner_keys
     assert other <= {"AWS_ENDPOINT_URL_S3", "AWS_REGION"}
 
