@@ -25,6 +25,7 @@ import hashlib
 import io
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -186,29 +187,28 @@ class S3Storage:
     def _expected_checksum(self, src: Path, *, size: int, sha256: str) -> str:
         """Check the file still has the manifest's sha256 and return the SHA-256 checksum
         the server should report: the full digest for one PUT, the composite of part
-        digests ("<b64>-<parts>") for a multipart upload. One read of the file."""
+        digests ("<b64>-<parts>") for a multipart upload. One read of the file; the part
+        digests are computed on a second core (hashlib releases the GIL)."""
         multipart = size >= self.settings.multipart_threshold
         part_size = ChunksizeAdjuster().adjust_chunksize(self.settings.part_size, size)
         full = hashlib.sha256()
         parts: list[bytes] = []
-        with open(src, "rb") as f:
-            if multipart:
-                while True:
-                    part = hashlib.sha256()
-                    remaining = part_size
-                    while remaining:
-                        chunk = f.read(min(CHUNK, remaining))
-                        if not chunk:
-                            break
-                        full.update(chunk)
-                        part.update(chunk)
-                        remaining -= len(chunk)
-                    if remaining == part_size:
+        with open(src, "rb") as f, ThreadPoolExecutor(1, "part-digests") as helper:
+            while True:
+                part = hashlib.sha256()
+                remaining = part_size if multipart else size
+                while remaining:
+                    chunk = f.read(min(CHUNK, remaining))
+                    if not chunk:
                         break
-                    parts.append(part.digest())
-            else:
-                while chunk := f.read(CHUNK):
+                    pending = helper.submit(part.update, chunk) if multipart else None
                     full.update(chunk)
+                    if pending is not None:
+                        pending.result()
+                    remaining -= len(chunk)
+                if not multipart or remaining == part_size:
+                    break
+                parts.append(part.digest())
         if full.hexdigest() != sha256:
             raise IntegrityError(
                 f"{src} no longer matches its manifest (sha256 {full.hexdigest()[:12]}... "
