@@ -103,9 +103,12 @@ def assert_remote_checkpoint_complete(s3: Any, bucket: str, prefix: str, step: i
 def demo_container(
     docker: Docker, image: str, s3: SeaweedS3, *, run_dir: Path, mirror: str, ckpt_every: int
 ) -> str:
+    # host networking shares the port space with the machine: no fixed metrics port
+    (metrics_port,) = free_ports(1)
+    env = {**s3.env(), "RUNNER_METRICS_PORT": str(metrics_port)}
     return docker.start(
         image,
-        run_args=["--network", "host", "-v", f"{run_dir}:/data", *env_args(s3.env())],
+        run_args=["--network", "host", "-v", f"{run_dir}:/data", *env_args(env)],
         command=[
             "runner",
             "demo",
