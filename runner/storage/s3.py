@@ -21,6 +21,7 @@ fails, a sweep aborts the key's uploads started by this call.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import logging
@@ -229,30 +230,43 @@ class S3Storage:
     ) -> None:
         full_key = self._full(key)
         size = Path(src).stat().st_size
-        expected = self._expected_checksum(src, size=size, sha256=sha256) if sha256 else None
+        with ThreadPoolExecutor(1, "upload-checksum") as pool:
+            # the local hash pass overlaps the transfer; it is checked before verifying
+            checksum = (
+                pool.submit(self._expected_checksum, src, size=size, sha256=sha256)
+                if sha256
+                else None
+            )
 
-        def upload() -> None:
-            started = datetime.now(UTC)
-            subscribers = [_Progress(progress)] if progress else []
+            def upload() -> None:
+                started = datetime.now(UTC)
+                subscribers = [_Progress(progress)] if progress else []
+                try:
+                    with TransferManager(
+                        self._client, config=self.settings.transfer_config()
+                    ) as manager:
+                        future = manager.upload(
+                            str(src),
+                            self.bucket,
+                            full_key,
+                            extra_args={"ChecksumAlgorithm": "SHA256"},
+                            subscribers=subscribers,
+                        )
+                        future.result()
+                except BaseException:
+                    if size >= self.settings.multipart_threshold:
+                        self._abort_multipart(full_key, since=started)
+                    raise
+                expected = checksum.result() if checksum is not None else None
+                self._verify_upload(key, size=size, expected=expected)
+
             try:
-                with TransferManager(
-                    self._client, config=self.settings.transfer_config()
-                ) as manager:
-                    future = manager.upload(
-                        str(src),
-                        self.bucket,
-                        full_key,
-                        extra_args={"ChecksumAlgorithm": "SHA256"},
-                        subscribers=subscribers,
-                    )
-                    future.result()
-            except BaseException:
-                if size >= self.settings.multipart_threshold:
-                    self._abort_multipart(full_key, since=started)
+                self._call("upload", key, upload)
+            except IntegrityError:
+                # the local file does not match its manifest: what was sent must not stay
+                with contextlib.suppress(Exception):
+                    self._client.delete_object(Bucket=self.bucket, Key=full_key)
                 raise
-            self._verify_upload(key, size=size, expected=expected)
-
-        self._call("upload", key, upload)
 
     def _verify_upload(self, key: str, *, size: int, expected: str | None) -> None:
         head = self._client.head_object(
