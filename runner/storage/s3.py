@@ -4,8 +4,9 @@ Configuration comes only from the standard AWS chain (environment, shared config
 instance role, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`); a custom endpoint switches to
 path-style addressing, which MinIO, SeaweedFS and most self-hosted stores need.
 
-Integrity of an upload: before sending, one read of the local file computes its sha256 (which
-must equal the manifest's) and the SHA-256 of every multipart part in the same pass. The upload
+Integrity of an upload: while the transfer runs, one read of the local file computes its
+sha256 (which must equal the manifest's, else the upload is deleted and IntegrityError raised)
+and the SHA-256 of every multipart part in the same pass. The upload
 asks the server to check SHA-256 per request (`ChecksumAlgorithm=SHA256`); afterwards a HEAD
 checks the size and compares the server's checksum (the full digest, or for multipart the
 composite digest of the part digests) with the local one. Stores that do not return checksums
