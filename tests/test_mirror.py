@@ -220,6 +220,7 @@ def test_mirror_uploads_in_background_keeps_k_and_newest_wins(
         assert mirror.last_uploaded == 30
 
         caplog.set_level(logging.INFO, logger="runner.mirror")
+        caplog.clear()  # an earlier test may have left the runner loggers at INFO already
         ckpts = [make_checkpoint(run, step) for step in (40, 50, 60, 70)]
         for ckpt in ckpts:  # faster than uploads: superseded ones are skipped
             mirror.submit(ckpt)
