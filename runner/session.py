@@ -19,12 +19,9 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
-
-import torch
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.manifest import Manifest
@@ -32,14 +29,12 @@ from runner.checkpoint.reader import load_state, read_manifest_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
-from runner.fingerprint import fingerprint
 from runner.metrics import RunnerMetrics
 from runner.policy import SavePolicy
 from runner.preemption.stop import StopController
-from runner.sampler import ResumableSampler
 from runner.services import Services, run_services
 from runner.sidecars import LossLog
-from runner.train_state import Counters, capture_train_state, restore_train_state
+from runner.train_state import Counters
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
@@ -49,7 +44,8 @@ log = logging.getLogger(__name__)
 
 class TrainState(Protocol):
     """What a session needs from the training loop's state (the demo's components and
-    `ModuleTrainState` both provide it). The loop advances `counters` and `loss_history`."""
+    `runner.train_state.ModuleTrainState` both provide it). The loop advances `counters` and
+    `loss_history`."""
 
     counters: Counters
     loss_history: list[float]
@@ -61,61 +57,6 @@ class TrainState(Protocol):
     def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters: ...
 
     def fingerprint(self) -> str: ...
-
-
-@dataclass(kw_only=True)
-class ModuleTrainState:
-    """TrainState for a plain PyTorch loop: model, optimizer, optional scheduler and sampler."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any = None
-    sampler: ResumableSampler | None = None
-    world_size: int = 1
-    counters: Counters = field(default_factory=Counters)
-    loss_history: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.counters.world_size = self.world_size
-
-    def advance(self, *, loss: float, samples: int | None = None) -> None:
-        """Record one completed optimizer step. `samples` defaults to the sampler's global batch."""
-        if samples is None:
-            samples = self.sampler.global_batch_size if self.sampler is not None else 0
-        self.counters.step += 1
-        self.counters.samples_seen += samples
-        if self.sampler is not None:
-            self.counters.epoch = self.sampler.epoch
-            self.counters.batch_in_epoch = self.sampler.batch_in_epoch
-        self.loss_history.append(float(loss))
-
-    def capture(self, *, copy: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        return capture_train_state(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            counters=self.counters,
-            sampler=self.sampler,
-            loss_history=self.loss_history,
-            extra=extra,
-            copy=copy,
-        )
-
-    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
-        self.counters = restore_train_state(
-            state,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            sampler=self.sampler,
-            world_size=self.world_size,
-            restore_rng=restore_rng,
-        )
-        self.loss_history = [float(x) for x in state.get("loss_history", [])]
-        return self.counters
-
-    def fingerprint(self) -> str:
-        return fingerprint(self.model, self.optimizer)
 
 
 class TrainSession:

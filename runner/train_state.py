@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from runner import rng
 from runner.errors import ConfigError, IntegrityError, SchemaError
+from runner.fingerprint import fingerprint as fingerprint_of
 from runner.sampler import ResumableSampler
 from runner.worldsize import move_scheduler_to_step, position_from_samples_seen, rescale_counters
 
@@ -61,6 +62,61 @@ class Counters:
         if any(v < 0 for v in values.values()) or values["world_size"] < 1:
             raise IntegrityError(f"train state: counters out of range: {values}")
         return cls(**values)
+
+
+@dataclass(kw_only=True)
+class ModuleTrainState:
+    """TrainState for a plain PyTorch loop: model, optimizer, optional scheduler and sampler."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    sampler: ResumableSampler | None = None
+    world_size: int = 1
+    counters: Counters = field(default_factory=Counters)
+    loss_history: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.counters.world_size = self.world_size
+
+    def advance(self, *, loss: float, samples: int | None = None) -> None:
+        """Record one completed optimizer step. `samples` defaults to the sampler's global batch."""
+        if samples is None:
+            samples = self.sampler.global_batch_size if self.sampler is not None else 0
+        self.counters.step += 1
+        self.counters.samples_seen += samples
+        if self.sampler is not None:
+            self.counters.epoch = self.sampler.epoch
+            self.counters.batch_in_epoch = self.sampler.batch_in_epoch
+        self.loss_history.append(float(loss))
+
+    def capture(self, *, copy: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return capture_train_state(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            counters=self.counters,
+            sampler=self.sampler,
+            loss_history=self.loss_history,
+            extra=extra,
+            copy=copy,
+        )
+
+    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
+        self.counters = restore_train_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            world_size=self.world_size,
+            restore_rng=restore_rng,
+        )
+        self.loss_history = [float(x) for x in state.get("loss_history", [])]
+        return self.counters
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.model, self.optimizer)
 
 
 def capture_train_state(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,9 +20,8 @@ from runner.demo.corpus import DEFAULT_CHARS, generate_corpus
 from runner.demo.data import CharVocab, WindowDataset
 from runner.demo.model import TinyGPT
 from runner.errors import ConfigError
-from runner.fingerprint import fingerprint
 from runner.sampler import ResumableSampler
-from runner.train_state import Counters, capture_train_state, restore_train_state
+from runner.train_state import ModuleTrainState
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,8 +70,10 @@ def warmup_cosine(config: DemoConfig) -> Callable[[int], float]:
 
 
 @dataclass(kw_only=True)
-class DemoComponents:
-    """The demo's model, optimizer, schedule, data and counters, and one training step."""
+class DemoComponents(ModuleTrainState):
+    """The demo's model, optimizer, schedule, data and counters, and one training step.
+
+    Capture, restore and fingerprint come from `ModuleTrainState`."""
 
     config: DemoConfig
     device: torch.device
@@ -82,8 +83,6 @@ class DemoComponents:
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     sampler: ResumableSampler
-    counters: Counters = field(default_factory=Counters)
-    loss_history: list[float] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -105,42 +104,8 @@ class DemoComponents:
         self.optimizer.step()
         self.scheduler.step()
         value = float(loss.item())
-        self.loss_history.append(value)
-        self.counters.step += 1
-        self.counters.samples_seen += self.sampler.global_batch_size
-        self.counters.epoch = self.sampler.epoch
-        self.counters.batch_in_epoch = self.sampler.batch_in_epoch
+        self.advance(loss=value)
         return value
-
-    def capture(self, *, copy: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The full train state (see `runner.train_state`)."""
-        return capture_train_state(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            counters=self.counters,
-            sampler=self.sampler,
-            loss_history=self.loss_history,
-            extra=extra,
-            copy=copy,
-        )
-
-    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
-        """Continue from `state`; the loss history is taken up to the restored step."""
-        self.counters = restore_train_state(
-            state,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            sampler=self.sampler,
-            world_size=self.sampler.world_size,
-            restore_rng=restore_rng,
-        )
-        self.loss_history = [float(x) for x in state.get("loss_history", [])]
-        return self.counters
-
-    def fingerprint(self) -> str:
-        return fingerprint(self.model, self.optimizer)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -207,5 +172,5 @@ def build_demo(
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=sampler,
-        counters=Counters(world_size=world_size),
+        world_size=world_size,
     )
