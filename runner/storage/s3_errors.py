@@ -66,6 +66,10 @@ _CREDENTIAL_HINT = (
     "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance role)"
 )
 
+_UNREACHABLE_HINT = (
+    " (is the endpoint right? check AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL and the network)"
+)
+
 
 def classify(exc: BaseException, *, bucket: str, key: str, endpoint: str) -> StorageError:
     """A project error for exc; StorageError subclasses pass through unchanged."""
@@ -84,9 +88,9 @@ def classify(exc: BaseException, *, bucket: str, key: str, endpoint: str) -> Sto
         | ResponseStreamingError
         | Urllib3Error,
     ):
-        return StorageTransientError(f"connection problem with {where}: {exc}")
+        return StorageTransientError(f"connection problem with {where}: {exc}{_UNREACHABLE_HINT}")
     if isinstance(exc, ConnectionError | TimeoutError):
-        return StorageTransientError(f"connection problem with {where}: {exc}")
+        return StorageTransientError(f"connection problem with {where}: {exc}{_UNREACHABLE_HINT}")
     if isinstance(exc, BotoCoreError):
         return StoragePermanentError(f"S3 client error for {where}: {exc}")
     return StorageError(f"unexpected failure for {where}: {type(exc).__name__}: {exc}")
