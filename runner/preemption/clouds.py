@@ -70,7 +70,22 @@ def _parse_iso8601(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-class AwsSpotNotice:
+class _MetadataClient:
+    """Where a cloud's metadata server is, how long to wait for it, and the wall clock."""
+
+    def __init__(
+        self,
+        base: str = METADATA_BASE,
+        *,
+        timeout: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.base = base.rstrip("/")
+        self.timeout = timeout
+        self._clock = clock
+
+
+class AwsSpotNotice(_MetadataClient):
     """EC2 IMDSv2: a session token (PUT), then `spot/instance-action` (404 = no notice).
 
     The notice looks like `{"action": "terminate", "time": "2026-11-30T06:02:00Z"}`.
@@ -88,9 +103,7 @@ class AwsSpotNotice:
         timeout: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.base = base.rstrip("/")
-        self.timeout = timeout
-        self._clock = clock
+        super().__init__(base, timeout=timeout, clock=clock)
         self._token: str | None = None
         self._token_expires = 0.0
 
@@ -144,23 +157,12 @@ class AwsSpotNotice:
         )
 
 
-class GcpPreemptedNotice:
+class GcpPreemptedNotice(_MetadataClient):
     """GCE metadata `instance/preempted`: "TRUE" once the VM is being preempted (30 s left)."""
 
     name = "gcp"
     PATH = "/computeMetadata/v1/instance/preempted"
     HEADERS: ClassVar[dict[str, str]] = {"Metadata-Flavor": "Google"}
-
-    def __init__(
-        self,
-        base: str = GCP_METADATA_BASE,
-        *,
-        timeout: float = 2.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.base = base.rstrip("/")
-        self.timeout = timeout
-        self._clock = clock
 
     def _get(self) -> tuple[int, dict[str, str], bytes]:
         return _request(self.base + self.PATH, headers=self.HEADERS, timeout=self.timeout)
@@ -182,23 +184,12 @@ class GcpPreemptedNotice:
         return Notice(self.name, "instance/preempted is TRUE", self._clock() + GCP_NOTICE_SECONDS)
 
 
-class AzurePreemptNotice:
+class AzurePreemptNotice(_MetadataClient):
     """Azure Scheduled Events: an event with EventType "Preempt"; NotBefore is the deadline."""
 
     name = "azure"
     PATH = "/metadata/scheduledevents?api-version=2020-07-01"
     HEADERS: ClassVar[dict[str, str]] = {"Metadata": "true"}
-
-    def __init__(
-        self,
-        base: str = METADATA_BASE,
-        *,
-        timeout: float = 2.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.base = base.rstrip("/")
-        self.timeout = timeout
-        self._clock = clock
 
     def _events(self) -> list[dict[str, object]]:
         status, _, body = _request(
