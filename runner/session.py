@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
-from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.manifest import created_at_unix
 from runner.checkpoint.reader import load_state, read_manifest_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
@@ -158,7 +158,7 @@ class TrainSession:
         if self.metrics is not None:
             self.metrics.resumed(steps_lost=lost)
             self.metrics.train_step(counters.step)
-            created = _parse_created_at(manifest)
+            created = created_at_unix(manifest.created_at) or time.time()
             self.metrics.checkpoint_found(location="local", step=manifest.step, created_at=created)
             if self.mirror is not None and self._mirror_holds(manifest.step):
                 self.metrics.checkpoint_found(
@@ -335,12 +335,3 @@ class TrainSession:
             elapsed,
             budget,
         )
-
-
-def _parse_created_at(manifest: Manifest) -> float:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return time.time()

@@ -68,7 +68,7 @@ def test_ls_lists_newest_first_with_size_age_format(
     assert [(r["step"], r["verified"]) for r in deep] == [(10, True), (2, False), (1, True)]
     text = runner("ls", tmp_path / "run").stdout.splitlines()
     assert text[0].split() == ["STEP", "SIZE", "AGE", "FORMAT", "VERIFIED"]
-    assert text[1].split()[0] == "10" and text[1].split()[3] == "torch-state"
+    assert text[1].split()[0] == "10" and text[1].split()[4] == "torch-state"  # size is "N.N KiB"
 
 
 def test_verify_names_each_corrupt_checkpoint_and_exits_3_only_for_the_newest(

@@ -123,6 +123,14 @@ def check_relative_path(path: str, *, source: str = "manifest.json") -> str:
     return normalised
 
 
+def created_at_unix(created_at: str) -> float | None:
+    """UNIX time of a manifest's `created_at`, None when it cannot be parsed."""
+    try:
+        return datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
 def utc_now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 

@@ -10,40 +10,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import click
 
+from runner.checkpoint.manifest import created_at_unix
+from runner.cli.formatting import human_duration, human_size
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
 def _age(created_at: str, *, now: float) -> float | None:
-    try:
-        return now - datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _human_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{max(seconds, 0):.0f}s"
-
-
-def _human_size(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1024 or unit == "GB":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{value:.1f}TB"
+    created = created_at_unix(created_at)
+    return None if created is None else now - created
 
 
 def _echo_json(data: Any) -> None:
@@ -89,9 +70,9 @@ def ls(location: str, deep: bool, as_json: bool) -> None:
         verified = {True: "yes", False: "NO", None: "-"}[row["verified"]]
         if row["error"] and not deep:
             verified = "NO (manifest)"
-        size = _human_size(row["size"]) if "size" in row else "?"
+        size = human_size(row["size"]) if "size" in row else "?"
         click.echo(
-            f"{row['step']:>10}  {size:>9}  {_human_age(row.get('age_seconds')):>7}  "
+            f"{row['step']:>10}  {size:>9}  {human_duration(row.get('age_seconds')):>7}  "
             f"{row.get('format', '?'):<14} {verified}"
         )
         if row["error"]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
 
 import click
 
+from runner.checkpoint.manifest import created_at_unix
+from runner.cli.formatting import human_duration, human_size
 from runner.cli.options import json_output
 from runner.errors import NoVerifiedCheckpointError, RunnerError
 
@@ -144,9 +145,9 @@ def _describe(summary: CheckpointSummary) -> str:
     ]
     details = []
     if summary.age_seconds is not None:
-        details.append(f"{_human_duration(summary.age_seconds)} old")
+        details.append(f"{human_duration(summary.age_seconds)} old")
     if summary.size_bytes is not None:
-        details.append(_human_size(summary.size_bytes))
+        details.append(human_size(summary.size_bytes))
     if summary.writer:
         details.append(f"by {summary.writer}")
     suffix = f" ({', '.join(details)})" if details else ""
@@ -159,29 +160,5 @@ def _steps(steps: list[int]) -> str:
 
 
 def _age_seconds(created_at: str, *, now: float) -> float | None:
-    try:
-        created = datetime.fromisoformat(created_at.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return max(0.0, now - created.timestamp())
-
-
-def _human_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    parts: list[str] = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        count, seconds = divmod(seconds, size)
-        if count or parts:
-            parts.append(f"{count}{unit}")
-    return "".join(parts[:2])
-
-
-def _human_size(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+    created = created_at_unix(created_at)
+    return None if created is None else max(0.0, now - created)
