@@ -24,8 +24,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
-from runner.checkpoint.manifest import created_at_unix
-from runner.checkpoint.reader import load_state, read_manifest_dir
+from runner.checkpoint.manifest import Manifest, created_at_unix
+from runner.checkpoint.reader import (
+    load_newest_state,
+    load_state,
+    local_step_dir,
+    read_manifest_dir,
+)
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
@@ -137,14 +142,15 @@ class TrainSession:
     def restore(self) -> int | None:
         """Continue from the newest checkpoint that verifies (local or mirror); returns its step."""
         self.writer.cleanup_partial()
-        step_dir = self._find_resume_dir()
-        if step_dir is None:
+        found = self._load_newest()
+        if found is None:
             log.info("no checkpoint to resume from in %s: starting at step 0", self.run_dir)
             self.policy = self._policy(start_step=0)
             return None
-        manifest = read_manifest_dir(step_dir)
+        manifest, payload = found
+        step_dir = local_step_dir(self.run_dir, manifest.step)
         try:
-            counters = self.state.restore(load_state(step_dir, manifest=manifest))
+            counters = self.state.restore(payload)
         except RunnerError:
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("restore")
@@ -173,19 +179,25 @@ class TrainSession:
         )
         return counters.step
 
-    def _find_resume_dir(self) -> Path | None:
+    def _load_newest(self) -> tuple[Manifest, dict[str, Any]] | None:
+        """The newest checkpoint that verifies and loads, from the run dir or the mirror.
+
+        Without a mirror each file is hashed once, right before it is deserialised. With one,
+        `resolve_resume` verifies its choice among local and remote checkpoints (a download as
+        it arrives) and `load_state` checks the local copy again before deserialising it."""
+
         def on_skip(step: int, why: str) -> None:
             log.warning("not resuming from step %d: %s", step, why)
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("verify")
 
-        if self.mirror is not None:
-            return self.mirror.resolve_resume(self.run_dir, on_skip=on_skip)
-        from runner.checkpoint.reader import local_step_dir, newest_verified
-        from runner.storage.file import FileStorage
-
-        manifest = newest_verified(FileStorage(self.run_dir), on_skip=on_skip)
-        return None if manifest is None else local_step_dir(self.run_dir, manifest.step)
+        if self.mirror is None:
+            return load_newest_state(self.run_dir, on_skip=on_skip)
+        step_dir = self.mirror.resolve_resume(self.run_dir, on_skip=on_skip)
+        if step_dir is None:
+            return None
+        manifest = read_manifest_dir(step_dir)
+        return manifest, load_state(step_dir, manifest=manifest)
 
     def _mirror_holds(self, step: int) -> bool:
         from runner.errors import StorageError

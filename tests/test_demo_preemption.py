@@ -119,3 +119,23 @@ def test_bad_option_is_a_usage_error(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "--keep must be >= 2" in done.stderr
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_is_replaced_by_a_good_one(
+    tmp_path: Path, straight_run: tuple[str, dict[int, float]]
+) -> None:
+    first = run_demo(tmp_path, steps=40)
+    assert first.returncode == 0, first.stderr
+    payload = tmp_path / "checkpoints" / "step_000040" / "state.pt"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    payload.write_bytes(bytes(data))
+
+    done = run_demo(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "not resuming from step 40" in done.stderr and "sha256 mismatch" in done.stderr
+    assert "resumed from" in done.stderr and "step_000020" in done.stderr
+    fingerprint, losses = straight_run
+    assert manifest(tmp_path, DEMO_STEPS)["fingerprint"] == fingerprint
+    verify_dir(tmp_path / "checkpoints" / "step_000040")  # redone and committed again
+    assert LossLog(tmp_path).read() == losses
