@@ -57,8 +57,8 @@ class RunConfig:
                 f"--keep must be >= 2 (got {self.keep}): "
                 "the newest checkpoint may still be in flight"
             )
-        if self.steps is not None and self.steps < 0:
-            raise ConfigError(f"--steps must be >= 0 (got {self.steps})")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1 (got {self.steps})")
         if self.ckpt_every is not None and self.ckpt_every < 0:
             raise ConfigError(f"--ckpt-every must be >= 0 (got {self.ckpt_every})")
         if self.ckpt_every_seconds is not None and self.ckpt_every_seconds <= 0:

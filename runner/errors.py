@@ -48,7 +48,11 @@ class StorageTransientError(StorageError):
 
 
 class StoragePermanentError(StorageError):
-    """Retrying will not help: access denied, no such bucket, invalid key."""
+    """Retrying will not help: access denied, no such bucket, invalid or missing credentials.
+    The command or its environment must change, so it is a configuration error (exit 2):
+    an orchestrator should stop, not retry elsewhere."""
+
+    exit_code = EXIT_USAGE
 
 
 class StorageNotFoundError(StorageError, FileNotFoundError):

@@ -159,7 +159,13 @@ class TrainSession:
         self.writer.run_id = manifest.run_id
         lost = self._steps_lost(counters.step)
         self.loss_log.mark_resume(counters.step)
-        self._backfill_loss_log()
+        self._backfill_loss_log(source=f"checkpoint step {manifest.step}")
+        if self.config.steps is not None and counters.step > self.config.steps:
+            log.warning(
+                "the run is already at step %d, past --steps %d: nothing to train",
+                counters.step,
+                self.config.steps,
+            )
         self.policy = self._policy(start_step=counters.step)
         if self.metrics is not None:
             self.metrics.resumed(steps_lost=lost)
@@ -209,14 +215,14 @@ class TrainSession:
         except StorageError:
             return False
 
-    def _backfill_loss_log(self) -> None:
+    def _backfill_loss_log(self, *, source: str) -> None:
         """On a fresh node loss.jsonl is gone with the old disk; the checkpoint carries the
-        history that led to it, so the sidecar is rebuilt from there."""
+        history that led to it, so the sidecar is rebuilt from there (lines marked as such)."""
         logged = self.loss_log.read()
         history = self.state.loss_history
         missing = [s for s in range(1, len(history) + 1) if s not in logged]
         for step in missing:
-            self.loss_log.append(step, history[step - 1])
+            self.loss_log.append(step, history[step - 1], restored_from=source)
         if missing:
             log.info("loss.jsonl: restored %d entries from the checkpoint", len(missing))
 

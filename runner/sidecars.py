@@ -78,8 +78,9 @@ class LossLog:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
         f.flush()
 
-    def append(self, step: int, loss: float) -> None:
-        """Record the loss of update number `step` (1-based)."""
+    def append(self, step: int, loss: float, *, restored_from: str | None = None) -> None:
+        """Record the loss of update number `step` (1-based). `restored_from` marks a line
+        rebuilt from a checkpoint's loss history (the original line was lost with its disk)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"loss step must be an integer >= 1, got {step!r}")
         value = float(loss)
@@ -91,6 +92,8 @@ class LossLog:
         record["t"] = round(time.time(), 3)
         if self.attempt is not None:
             record["attempt"] = self.attempt
+        if restored_from is not None:
+            record["restored_from"] = restored_from
         self._write(record)
 
     def mark_resume(self, step: int) -> bool:

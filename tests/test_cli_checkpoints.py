@@ -93,6 +93,9 @@ def test_verify_names_each_corrupt_checkpoint_and_exits_3_only_for_the_newest(
     assert "step 3 at file://" in newest.stderr and "newest that verifies: step 2" in newest.stderr
     assert runner("verify", run, "--step", "2").returncode == 0
     assert runner("verify", run, "--step", "3").returncode == 3
+    mistyped = runner("verify", tmp_path / "no-such-dir")
+    assert mistyped.returncode == 2 and "no such directory" in mistyped.stderr
+    (tmp_path / "nothing").mkdir()
     empty = runner("verify", tmp_path / "nothing")
     assert empty.returncode == 3 and "no checkpoints to verify" in empty.stderr
 

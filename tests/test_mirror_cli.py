@@ -101,7 +101,7 @@ def test_wrong_key_gives_a_clear_error_without_the_secret(
     make_checkpoint(tmp_path / "run", 1)
     env = {**s3_server.env(), "AWS_SECRET_ACCESS_KEY": "wrong-secret-value-123"}
     result = runner("push", str(tmp_path / "run"), location, env=env)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a configuration error: retrying elsewhere cannot help
     assert location.split("/")[2] in result.stderr and s3_server.endpoint in result.stderr
     assert "refused" in result.stderr
     assert "wrong-secret-value-123" not in result.stderr + result.stdout

@@ -39,9 +39,9 @@ def ls(location: str, deep: bool, as_json: bool) -> None:
     """List the checkpoints at LOCATION: step, size, age, format, verified."""
     from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint
     from runner.errors import RunnerError
-    from runner.storage import open_storage
+    from runner.storage import open_existing
 
-    storage = open_storage(location)
+    storage = open_existing(location)
     now = time.time()
     rows: list[dict[str, Any]] = []
     for step in reversed(list_checkpoints(storage)):
@@ -87,12 +87,23 @@ def verify(location: str, step: int | None, as_json: bool) -> None:
     """Hash every file of every checkpoint at LOCATION and name each corrupt one.
 
     Exits 3 when the newest checkpoint (or --step) is corrupt, or when there is none."""
-    from runner.checkpoint.reader import CheckpointStatus, scan, verify_checkpoint
+    from runner.checkpoint.layout import checkpoint_key
+    from runner.checkpoint.reader import (
+        CheckpointStatus,
+        list_checkpoints,
+        scan,
+        verify_checkpoint,
+    )
     from runner.errors import RunnerError
-    from runner.storage import open_storage
+    from runner.storage import open_existing
 
-    storage = open_storage(location)
+    storage = open_existing(location)
     if step is not None:
+        if not any(True for _ in storage.list(f"{checkpoint_key(step)}/")):
+            present = ", ".join(str(s) for s in list_checkpoints(storage)[-5:]) or "none"
+            raise NoVerifiedCheckpointError(
+                f"{storage.uri} has no checkpoint at step {step} (newest steps: {present})"
+            )
         try:
             statuses = [CheckpointStatus(step, True, None, verify_checkpoint(storage, step))]
         except RunnerError as exc:
@@ -145,9 +156,10 @@ def inspect(path: Path, as_json: bool) -> None:
         }
     else:
         manifest_path = path / MANIFEST_NAME if path.is_dir() else path
-        if not manifest_path.is_file():
+        if not manifest_path.is_file() or manifest_path.suffix != ".json":
             raise ConfigError(
-                f"{path}: not a seed .bin, a manifest.json, or a directory holding one"
+                f"{path}: not a seed .bin, a manifest.json, or a checkpoint directory holding "
+                "one; pass the checkpoint directory (e.g. RUN_DIR/checkpoints/step_000100)"
             )
         manifest = Manifest.from_json(manifest_path.read_bytes(), source=str(manifest_path))
         info = {"kind": "manifest", "path": str(manifest_path), **json.loads(manifest.to_json())}
@@ -199,9 +211,9 @@ def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
     """Start a new run dir DST from one checkpoint of SRC (audit fork: own run_id, loss
     history up to that step)."""
     from runner.checkpoint.fork import fork_run
-    from runner.storage import open_storage
+    from runner.storage import open_existing
 
-    result = fork_run(open_storage(src), dst, step=step, writer_id=f"fork-{uuid.uuid4().hex[:8]}")
+    result = fork_run(open_existing(src), dst, step=step, writer_id=f"fork-{uuid.uuid4().hex[:8]}")
     info = {
         "dst": str(dst),
         "run_id": result.run_id,
@@ -228,9 +240,9 @@ def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
 def prune(location: str, keep: int, as_json: bool) -> None:
     """Delete all but the newest K checkpoints; never the newest one that verifies."""
     from runner.checkpoint.retention import prune as prune_storage
-    from runner.storage import open_storage
+    from runner.storage import open_existing
 
-    deleted = prune_storage(open_storage(location), keep=keep)
+    deleted = prune_storage(open_existing(location), keep=keep)
     if as_json:
         _echo_json({"deleted": deleted})
     elif deleted:

@@ -41,7 +41,24 @@ class LazyGroup(click.Group):
         module_name, attr = target.split(":")
         command = getattr(importlib.import_module(module_name), attr)
         assert isinstance(command, click.Command)  # programming error, not input
+        with_env_defaults(command)
         return command
+
+
+def with_env_defaults(command: click.Command) -> click.Command:
+    """Every option is also read from RUNNER_<OPTION> (DESIGN.md, CLI): options that do not
+    name their variable get the default one, so no command can forget it."""
+    for param in command.params:
+        if not isinstance(param, click.Option):
+            continue
+        if param.envvar is None:
+            long_names = [o for o in param.opts if o.startswith("--")]
+            if not long_names:
+                continue
+            option = max(long_names, key=len)[2:]
+            param.envvar = f"RUNNER_{option.replace('-', '_').upper()}"
+        param.show_envvar = True
+    return command
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -52,6 +69,9 @@ def cli(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("runner").setLevel(min(level, logging.INFO))
+
+
+with_env_defaults(cli)
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -79,9 +79,9 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
     from runner.checkpoint.reader import list_checkpoints, read_manifest
     from runner.mirror import download_checkpoint
     from runner.progress import transfer_progress
-    from runner.storage import open_storage
+    from runner.storage import open_existing
 
-    storage = open_storage(location)
+    storage = open_existing(location)
     available = list_checkpoints(storage)
     if step is not None:
         if step not in available:

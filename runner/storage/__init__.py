@@ -8,7 +8,14 @@ from urllib.parse import urlparse
 from runner.errors import ConfigError
 from runner.storage.base import ObjectInfo, ProgressCallback, Storage
 
-__all__ = ["ObjectInfo", "ProgressCallback", "Storage", "is_remote_uri", "open_storage"]
+__all__ = [
+    "ObjectInfo",
+    "ProgressCallback",
+    "Storage",
+    "is_remote_uri",
+    "open_existing",
+    "open_storage",
+]
 
 
 def is_remote_uri(location: str) -> bool:
@@ -29,10 +36,23 @@ def open_storage(location: str | Path) -> Storage:
         from runner.storage.file import FileStorage
 
         return FileStorage(Path(parsed.path))
-    if "://" in text:
+    if text.startswith("file:") or "://" in text:
         raise ConfigError(
             f"{text}: unsupported location; use s3://bucket/prefix, file:///path or a path"
         )
     from runner.storage.file import FileStorage
 
     return FileStorage(Path(text))
+
+
+def open_existing(location: str | Path) -> Storage:
+    """`open_storage` for commands that read a location: a local directory that does not
+    exist is a mistyped path, not an empty location."""
+    from runner.storage.file import FileStorage
+
+    storage = open_storage(location)
+    if isinstance(storage, FileStorage) and not storage.root.is_dir():
+        raise ConfigError(
+            f"{location}: no such directory; give a run dir, file:///abs/path or s3://bucket/prefix"
+        )
+    return storage
