@@ -43,6 +43,11 @@ class StorageError(RunnerError):
     """Object storage or filesystem failure."""
 
 
+class CheckpointWriteError(StorageError):
+    """A checkpoint could not be written locally (disk full, I/O error); the previous
+    committed checkpoint is intact."""
+
+
 class StorageTransientError(StorageError):
     """Worth retrying: connection reset, timeout, 500, 503 SlowDown."""
 

@@ -33,7 +33,7 @@ from runner.checkpoint.reader import (
 )
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
-from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
+from runner.errors import EXIT_OK, EXIT_PREEMPTED, CheckpointWriteError, RunnerError
 from runner.metrics import RunnerMetrics
 from runner.policy import SavePolicy
 from runner.preemption.stop import StopController
@@ -250,7 +250,13 @@ class TrainSession:
             return True  # the final checkpoint is written by finish()
         reason = self.stop.take_checkpoint_request() or self.policy.due(counters.step)
         if reason is not None:
-            self.save(reason=reason)
+            try:
+                self.save(reason=reason)
+            except CheckpointWriteError as exc:
+                # Training goes on (the failure metric and alert tell the operator); the next
+                # try is at the next cadence point, not at every step.
+                self.policy.saved(counters.step)
+                log.error("%s; training continues", exc)
         return False
 
     def save(self, *, reason: str) -> CommittedCheckpoint:
@@ -270,10 +276,19 @@ class TrainSession:
                 extra={"reason": reason},
             )
             committed = self.writer.write_state(payload, meta=meta)
-        except (OSError, RunnerError):
+        except OSError as exc:
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("save")
-            log.exception("checkpoint at step %d failed; the previous one is intact", counters.step)
+            previous = self.last_checkpoint.step if self.last_checkpoint else self.resumed_from
+            kept = f"step {previous} is intact" if previous is not None else "none existed yet"
+            raise CheckpointWriteError(
+                f"checkpoint at step {counters.step} could not be written to {self.ckpt_dir}: "
+                f"{exc.strerror or exc}; the previous checkpoint: {kept}. Free space there or "
+                "use another --run-dir"
+            ) from exc
+        except RunnerError:
+            if self.metrics is not None:
+                self.metrics.checkpoint_failed("save")
             raise
         duration = time.monotonic() - started
         self.policy.saved(counters.step)

@@ -89,7 +89,12 @@ class Staging:
 
         with self.open_file(name) as out, _without_zip_crc32():
             # torch.save only calls write() and flush(): no seek, so it streams one pass
-            torch.save(obj, cast(BinaryIO, out))
+            try:
+                torch.save(obj, cast(BinaryIO, out))
+            except RuntimeError as exc:
+                # torch's zip writer hides a failed write (ENOSPC, EIO) behind its own
+                # RuntimeError when it closes the archive; surface the OS error itself.
+                raise _os_error_in_chain(exc) or exc from None
         return self.files[-1]
 
     def write_bytes(self, name: str, data: bytes) -> FileEntry:
@@ -114,6 +119,17 @@ class Staging:
         fsync_file(final)
         self.files.append(FileEntry(path=name, size=size, sha256=sha256))
         return self.files[-1]
+
+
+def _os_error_in_chain(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class CheckpointWriter:
