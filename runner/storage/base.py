@@ -12,6 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from runner.errors import StorageError
+
+
+def check_key(key: str, *, uri: str) -> str:
+    """Refuse keys that are empty, absolute or contain empty, '.' or '..' parts: a key must
+    name an object under the location root, never outside it."""
+    if not key or key.startswith("/") or any(part in ("", ".", "..") for part in key.split("/")):
+        raise StorageError(f"invalid key {key!r} for {uri}")
+    return key
+
+
 # Called with the number of bytes moved since the previous call.
 ProgressCallback = Callable[[int], None]
 

@@ -13,10 +13,9 @@ from runner.checkpoint.layout import TMP_PREFIX
 from runner.errors import (
     IntegrityError,
     StorageConflictError,
-    StorageError,
     StorageNotFoundError,
 )
-from runner.storage.base import ObjectInfo, ProgressCallback
+from runner.storage.base import ObjectInfo, ProgressCallback, check_key
 
 
 class FileStorage:
@@ -28,13 +27,7 @@ class FileStorage:
         return f"file://{self.root}"
 
     def _path(self, key: str) -> Path:
-        if (
-            not key
-            or key.startswith("/")
-            or any(part in ("", ".", "..") for part in key.split("/"))
-        ):
-            raise StorageError(f"invalid key {key!r} for {self.uri}")
-        return self.root / key
+        return self.root / check_key(key, uri=self.uri)
 
     def put_file(
         self,

@@ -49,7 +49,7 @@ from runner.errors import (
     StorageError,
     StorageTransientError,
 )
-from runner.storage.base import ObjectInfo, ProgressCallback
+from runner.storage.base import ObjectInfo, ProgressCallback, check_key
 from runner.storage.retry import RetryPolicy
 from runner.storage.s3_errors import classify
 
@@ -158,12 +158,7 @@ class S3Storage:
     # -- helpers -------------------------------------------------------------------------
 
     def _full(self, key: str) -> str:
-        if (
-            not key
-            or key.startswith("/")
-            or any(part in ("", ".", "..") for part in key.split("/"))
-        ):
-            raise StorageError(f"invalid key {key!r} for {self.uri}")
+        check_key(key, uri=self.uri)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what: str, key: str, func: Callable[[], T]) -> T:
