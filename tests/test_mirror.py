@@ -28,18 +28,12 @@ from runner.mirror import (
 )
 from runner.mirror.remote_layout import ATTEMPT_FIELD, to_local
 from runner.storage import Storage, open_storage
-from runner.storage.s3 import MiB, S3Storage, TransferSettings
-from tests.fixtures.s3 import SeaweedS3
-
-SMALL_PARTS = TransferSettings(part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=4)
+from runner.storage.s3 import MiB
 
 
-@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.e2e)])
-def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
-    if request.param == "file":
-        return open_storage(f"file://{tmp_path / 'bucket'}")
-    s3_env: SeaweedS3 = request.getfixturevalue("s3_env")
-    return S3Storage.from_uri(f"s3://{s3_env.create_bucket()}/runs/r1", settings=SMALL_PARTS)
+@pytest.fixture
+def remote(any_storage: Storage) -> Storage:
+    return any_storage
 
 
 def make_checkpoint(

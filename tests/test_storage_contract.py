@@ -17,23 +17,16 @@ from runner.errors import (
     StorageNotFoundError,
     StoragePermanentError,
 )
-from runner.storage import Storage, open_storage
+from runner.storage import Storage
 from runner.storage.file import FileStorage
 from runner.storage.retry import RetryPolicy
-from runner.storage.s3 import MiB, S3Storage, TransferSettings
-from tests.fixtures.s3 import SeaweedS3
-
-# small parts so a 11 MiB file exercises multipart (3 parts) and the composite checksum
-SMALL_PARTS = TransferSettings(part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=4)
+from runner.storage.s3 import MiB, S3Storage
+from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3
 
 
-@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.e2e)])
-def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
-    if request.param == "file":
-        return open_storage(f"file://{tmp_path / 'bucket'}")
-    s3_env: SeaweedS3 = request.getfixturevalue("s3_env")
-    bucket = s3_env.create_bucket()
-    return S3Storage.from_uri(f"s3://{bucket}/runs/r1", settings=SMALL_PARTS)
+@pytest.fixture
+def storage(any_storage: Storage) -> Storage:
+    return any_storage
 
 
 def write_random(path: Path, size: int) -> str:
