@@ -5,10 +5,12 @@ A train state of N parameters (default 120M, the seeds' ANDREA-120M: weights + A
 
   raw        the same tensor bytes written sequentially to one file, then fsync
   torch.save torch.save(state, path), then fsync
-  runner     CheckpointWriter.write_state: stream + sha256 in the same pass, fsync, manifest,
-             directory rename, directory fsyncs
+  runner     CheckpointWriter.write_state: stream + sha256 in the same pass, writeback
+             started every 32 MiB, fsync, manifest, directory rename, directory fsyncs
 
-and read back three ways, each from a cold page cache for that file (posix_fadvise DONTNEED):
+plus two ablations of the early writeback: the runner without it (every byte left dirty until
+the final fsync, as a plain write+fsync does) and the raw write with it. Then each is read back
+three ways, each from a cold page cache for that file (posix_fadvise DONTNEED):
 
   raw        sequential read of the raw file into preallocated buffers
   torch.load torch.load(weights_only=True)
@@ -33,9 +35,11 @@ from typing import Any
 
 import torch
 
+from runner.checkpoint import atomic
 from runner.checkpoint.reader import load_state
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 
+DEFAULT_WRITEBACK_EVERY = atomic.WRITEBACK_EVERY
 TENSOR_PARAMS = 8_000_000  # parameters per tensor: a 120M model is ~15 big matrices
 
 
@@ -88,11 +92,14 @@ def drop_cache(path: Path) -> None:
                 os.close(fd)
 
 
-def save_raw(state: dict[str, Any], path: Path) -> None:
-    with open(path, "wb") as f:
+def save_raw(state: dict[str, Any], path: Path, *, early_writeback: bool = False) -> None:
+    with open(path, "wb", buffering=0) as f:
+        written = flushed = 0
         for t in tensors_of(state):
-            f.write(t.numpy().data.cast("B"))
-        f.flush()
+            written += f.write(t.numpy().data.cast("B"))
+            if early_writeback and written - flushed >= DEFAULT_WRITEBACK_EVERY:
+                atomic.start_writeback(f.fileno(), flushed, written - flushed)
+                flushed = written
         os.fsync(f.fileno())
 
 
@@ -105,7 +112,9 @@ def save_torch(state: dict[str, Any], path: Path) -> None:
         os.close(fd)
 
 
-def save_runner(state: dict[str, Any], ckpt_dir: Path) -> Path:
+def save_runner(state: dict[str, Any], ckpt_dir: Path, *, early_writeback: bool = True) -> Path:
+    # The ablation: every byte left dirty until the final fsync, as a plain write+fsync does.
+    atomic.WRITEBACK_EVERY = DEFAULT_WRITEBACK_EVERY if early_writeback else 1 << 62
     writer = CheckpointWriter(ckpt_dir, run_id="bench", writer_id="bench")
     meta = CheckpointMeta(
         step=100, samples_seen=3200, world_size=1, epoch=0, batch_in_epoch=100, fingerprint="0" * 64
@@ -129,14 +138,18 @@ def one_round(state: dict[str, Any], base: Path, *, rotate: int) -> dict[str, fl
     """Each variant once on the same bytes; seconds per variant. The order rotates between
     rounds so that none always runs first (or right after another's writeback)."""
     raw, tsave, ckpts = base / "raw.bin", base / "torch.pt", base / "checkpoints"
-    for p in (raw, tsave):
+    late, raw_early = base / "late" / "checkpoints", base / "raw-early.bin"
+    for p in (raw, raw_early, tsave):
         p.unlink(missing_ok=True)
-    shutil.rmtree(ckpts, ignore_errors=True)
+    for d in (ckpts, late):
+        shutil.rmtree(d, ignore_errors=True)
     step_dir = ckpts / "step_000100"
     saves: list[tuple[str, Callable[[], object]]] = [
         ("save raw", lambda: save_raw(state, raw)),
+        ("save raw early", lambda: save_raw(state, raw_early, early_writeback=True)),
         ("save torch", lambda: save_torch(state, tsave)),
         ("save runner", lambda: save_runner(state, ckpts)),
+        ("save runner late", lambda: save_runner(state, late, early_writeback=False)),
     ]
     buffers = [torch.empty_like(t) for t in tensors_of(state)]
     loads: list[tuple[str, Path, Callable[[], object]]] = [
@@ -186,14 +199,21 @@ def main() -> None:
     print(f"{'':17} {'seconds':>8} {'GB/s':>7}")
     for key, seconds in best.items():
         print(f"{key:17} {seconds:8.2f} {nbytes / seconds / 1e9:7.2f}")
-    print(
-        f"save: runner / raw write = {best['save raw'] / best['save runner']:.2f}x, "
-        f"runner / torch.save = {best['save torch'] / best['save runner']:.2f}x"
-    )
-    print(
-        f"load: runner / raw read = {best['load raw'] / best['load runner']:.2f}x, "
-        f"runner / torch.load = {best['load torch'] / best['load runner']:.2f}x"
-    )
+
+    def ratio(baseline: str, ours: str) -> str:
+        """Throughput ratio, best vs best, then per round (same round = same disk weather)."""
+        rounds = sorted(b / o for b, o in zip(results[baseline], results[ours], strict=True))
+        spread = f" (per round {rounds[0]:.2f}-{rounds[-1]:.2f})" if len(rounds) > 1 else ""
+        return f"{best[baseline] / best[ours]:.2f}x{spread}"
+
+    print(f"save: runner / raw write + fsync          {ratio('save raw', 'save runner')}")
+    print(f"save: runner / torch.save + fsync         {ratio('save torch', 'save runner')}")
+    print(f"save: runner / raw write, early writeback {ratio('save raw early', 'save runner')}")
+    print(f"save: runner, no early writeback / raw    {ratio('save raw', 'save runner late')}")
+    print(f"save: runner / runner, no early writeback {ratio('save runner late', 'save runner')}")
+    print(f"load: runner / raw read                   {ratio('load raw', 'load runner')}")
+    print(f"load: runner / torch.load                 {ratio('load torch', 'load runner')}")
+    print(f"load: runner mmap / torch.load            {ratio('load torch', 'load runner mmap')}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.checkpoint import atomic
 from runner.checkpoint.atomic import PARALLEL_HASH_MIN, HashingFileWriter
 from runner.checkpoint.reader import load_state, verify_dir
 from runner.checkpoint.writer import CheckpointWriter
@@ -67,6 +68,36 @@ def test_hashing_writer_parallel_hash_matches_file(tmp_path: Path) -> None:
     assert data == b"head" + big + big[:5]
     assert (out.size, out.sha256) == (len(data), hashlib.sha256(data).hexdigest())
     assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_writeback_starts_while_writing_and_covers_every_byte_before_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel is asked (really: sync_file_range) to write each 32 MiB as it is produced,
+    so the final fsync only waits for the tail."""
+    real = atomic._sync_file_range
+    assert real is not None, "sync_file_range must be available on Linux"
+    calls: list[tuple[int, int, int]] = []
+
+    def recording(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        rc = real(fd, offset, nbytes, flags)
+        calls.append((offset, nbytes, rc))
+        return rc
+
+    monkeypatch.setattr(atomic, "_sync_file_range", recording)
+    chunk = os.urandom(atomic.WRITEBACK_EVERY // 4 + 1)
+    with HashingFileWriter(tmp_path / "f") as out:
+        for _ in range(9):
+            out.write(chunk)
+        hinted_before_commit = list(calls)
+        out.commit()
+    assert len(hinted_before_commit) == 2
+    assert [rc for _, _, rc in calls] == [0, 0]  # the real syscall accepted each range
+    covered = 0
+    for offset, nbytes, _ in hinted_before_commit:
+        assert offset == covered and nbytes >= atomic.WRITEBACK_EVERY
+        covered += nbytes
+    assert (tmp_path / "f").read_bytes() == chunk * 9
 
 
 def test_same_step_same_state_keeps_the_existing_checkpoint(tmp_path: Path) -> None:

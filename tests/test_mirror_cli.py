@@ -120,6 +120,24 @@ def test_push_and_pull_on_file_locations(tmp_path: Path) -> None:
     assert (got / "manifest.json").read_bytes() == (ckpt.path / "manifest.json").read_bytes()
 
 
+def test_pull_names_a_truncated_remote_file_as_truncated(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    make_checkpoint(run, 5)
+    mirror = tmp_path / "mirror"
+    assert runner("push", str(run), f"file://{mirror}").returncode == 0
+    payload = max(
+        (p for p in mirror.rglob("*") if p.is_file() and p.name != "manifest.json"),
+        key=lambda p: p.stat().st_size,
+    )
+    size = payload.stat().st_size
+    payload.write_bytes(payload.read_bytes()[: size // 2])
+    pulled = runner("pull", f"file://{mirror}", str(tmp_path / "dest"))
+    assert pulled.returncode == 3, pulled.stderr
+    assert f"{size // 2} bytes stored, the manifest says {size}" in pulled.stderr, pulled.stderr
+    assert "truncated" in pulled.stderr
+    assert not (tmp_path / "dest" / checkpoint_key(5)).exists()
+
+
 def test_push_refuses_a_corrupt_local_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     make_checkpoint(run, 1)

@@ -84,13 +84,8 @@ def _download_one(
     storage: Storage, *, key: str, dst: Path, entry: FileEntry, progress: ProgressCallback | None
 ) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    storage.get_file(key, dst, progress=progress, sha256=entry.sha256)  # hashed in-stream
-    size = dst.stat().st_size
-    if size != entry.size:
-        raise IntegrityError(
-            f"{storage.uri}/{key}: {size} bytes downloaded, the manifest says {entry.size} "
-            "(the remote copy is corrupt)"
-        )
+    # size and sha256 are checked in-stream, before the file gets its final name
+    storage.get_file(key, dst, progress=progress, sha256=entry.sha256, size=entry.size)
 
 
 def _holds(step_dir: Path, manifest: Manifest) -> bool:

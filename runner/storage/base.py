@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from runner.errors import StorageError
+from runner.errors import IntegrityError, StorageError
 
 
 def check_key(key: str, *, uri: str) -> str:
@@ -21,6 +21,27 @@ def check_key(key: str, *, uri: str) -> str:
     if not key or key.startswith("/") or any(part in ("", ".", "..") for part in key.split("/")):
         raise StorageError(f"invalid key {key!r} for {uri}")
     return key
+
+
+def check_download(
+    where: str,
+    *,
+    got_size: int,
+    got_sha256: str,
+    size: int | None,
+    sha256: str | None,
+) -> None:
+    """Compare a downloaded stream with what the manifest promised (None: not checked).
+    Size first: a truncated copy is reported as truncated, not as a hash mismatch."""
+    if size is not None and got_size != size:
+        raise IntegrityError(
+            f"{where}: {got_size} bytes stored, the manifest says {size} (the stored copy is "
+            "truncated or replaced)"
+        )
+    if sha256 is not None and got_sha256 != sha256:
+        raise IntegrityError(
+            f"{where}: sha256 differs from the manifest (the stored copy is corrupt)"
+        )
 
 
 # Called with the number of bytes moved since the previous call.
@@ -63,10 +84,12 @@ class Storage(Protocol):
         *,
         progress: ProgressCallback | None = None,
         sha256: str | None = None,
+        size: int | None = None,
     ) -> None:
         """Download to dst atomically (temp file in dst's directory, fsync, rename). When
-        sha256 is given it is checked in the same pass; a mismatch raises IntegrityError and
-        leaves nothing at dst."""
+        size / sha256 are given they are checked in the same pass (size first, so a truncated
+        copy is reported as such); a mismatch raises IntegrityError and leaves nothing at
+        dst."""
         ...
 
     def get_bytes(self, key: str) -> bytes: ...

@@ -15,7 +15,7 @@ from runner.errors import (
     StorageConflictError,
     StorageNotFoundError,
 )
-from runner.storage.base import ObjectInfo, ProgressCallback, check_key
+from runner.storage.base import ObjectInfo, ProgressCallback, check_download, check_key
 
 
 class FileStorage:
@@ -80,17 +80,20 @@ class FileStorage:
         *,
         progress: ProgressCallback | None = None,
         sha256: str | None = None,
+        size: int | None = None,
     ) -> None:
         with self.open_read(key) as f, HashingFileWriter(dst) as writer:
             for chunk in read_chunks(f):
                 writer.write(chunk)
                 if progress:
                     progress(len(chunk))
-            if sha256 is not None and writer.digest_so_far() != sha256:
-                raise IntegrityError(
-                    f"{self.uri}/{key}: sha256 differs from the manifest (the stored copy is "
-                    "corrupt)"
-                )
+            check_download(
+                f"{self.uri}/{key}",
+                got_size=writer.size,
+                got_sha256=writer.digest_so_far(),
+                size=size,
+                sha256=sha256,
+            )
             writer.commit()
 
     def get_bytes(self, key: str) -> bytes:

@@ -49,7 +49,7 @@ from runner.errors import (
     StorageError,
     StorageTransientError,
 )
-from runner.storage.base import ObjectInfo, ProgressCallback, check_key
+from runner.storage.base import ObjectInfo, ProgressCallback, check_download, check_key
 from runner.storage.retry import RetryPolicy
 from runner.storage.s3_errors import classify
 
@@ -367,10 +367,11 @@ class S3Storage:
         *,
         progress: ProgressCallback | None = None,
         sha256: str | None = None,
+        size: int | None = None,
     ) -> None:
         """Concurrent ranged GETs written in order into a hashing temp file (s3transfer keeps
         a non-seekable target in order), so the sha256 comes from the same pass; fsync,
-        rename. With sha256 given, a mismatch raises IntegrityError and leaves nothing."""
+        rename. With size / sha256 given, a mismatch raises IntegrityError and leaves nothing."""
         full_key = self._full(key)
         dst = Path(dst)
 
@@ -383,11 +384,13 @@ class S3Storage:
                     manager.download(
                         self.bucket, full_key, cast(Any, writer), subscribers=subscribers
                     ).result()
-                if sha256 is not None and writer.digest_so_far() != sha256:
-                    raise IntegrityError(
-                        f"{self.uri}/{key}: sha256 of the downloaded bytes differs from the "
-                        "manifest (the stored copy is corrupt)"
-                    )
+                check_download(
+                    f"{self.uri}/{key}",
+                    got_size=writer.size,
+                    got_sha256=writer.digest_so_far(),
+                    size=size,
+                    sha256=sha256,
+                )
                 writer.commit()
 
         self._call("download", key, download)
