@@ -188,9 +188,9 @@ class TrainSession:
     def _load_newest(self) -> tuple[Manifest, dict[str, Any]] | None:
         """The newest checkpoint that verifies and loads, from the run dir or the mirror.
 
-        Without a mirror each file is hashed once, right before it is deserialised. With one,
-        `resolve_resume` verifies its choice among local and remote checkpoints (a download as
-        it arrives) and `load_state` checks the local copy again before deserialising it."""
+        Each file is hashed once: without a mirror right before it is deserialised; with one,
+        by `resolve_resume` while choosing among local and remote checkpoints (a download as
+        it arrives), and `load_state` then re-checks only paths and sizes."""
 
         def on_skip(step: int, why: str) -> None:
             log.warning("not resuming from step %d: %s", step, why)
@@ -203,7 +203,7 @@ class TrainSession:
         if step_dir is None:
             return None
         manifest = read_manifest_dir(step_dir)
-        return manifest, load_state(step_dir, manifest=manifest)
+        return manifest, load_state(step_dir, manifest=manifest, verified=True)
 
     def _mirror_holds(self, step: int) -> bool:
         from runner.errors import StorageError

@@ -16,7 +16,7 @@ import pytest
 
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
-from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint
+from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint, verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import IntegrityError, StorageConflictError
 from runner.mirror import (
@@ -199,6 +199,29 @@ def test_resume_takes_the_newest_of_local_and_remote(remote: Storage, tmp_path: 
     make_checkpoint(behind, 10)
     assert resolve_resume(behind, remote) == behind / "checkpoints" / "step_000020"
     assert resolve_resume(tmp_path / "none", None) is None
+
+
+def test_resume_examines_only_what_it_needs_and_replaces_a_corrupt_local_step(
+    remote: Storage, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    upload_checkpoint(remote, make_checkpoint(run, 20).path)
+    # a corrupt local 10 behind a good remote 20 is never hashed, so never reported
+    behind = tmp_path / "behind"
+    old = make_checkpoint(behind, 10)
+    (old.path / "extra.json").write_bytes(b'{"step": 99}')
+    skipped: list[tuple[int, str]] = []
+    got = resolve_resume(behind, remote, on_skip=lambda s, why: skipped.append((s, why)))
+    assert got == behind / "checkpoints" / "step_000020" and skipped == []
+    # a corrupt local 20 with a good remote 20: reported, then replaced by the download
+    same = tmp_path / "same"
+    bad = make_checkpoint(same, 20)
+    (bad.path / "extra.json").write_bytes(b'{"step": 99}')
+    got = resolve_resume(same, remote, on_skip=lambda s, why: skipped.append((s, why)))
+    assert got == bad.path
+    assert [(s, why.split(":")[0]) for s, why in skipped] == [(20, "local")]
+    assert (got / "extra.json").read_bytes() == b'{"step": 20}'
+    verify_dir(got)
 
 
 def test_mirror_uploads_in_background_keeps_k_and_newest_wins(

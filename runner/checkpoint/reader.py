@@ -28,6 +28,7 @@ from runner.checkpoint.manifest import (
     FORMAT_SEED_BIN,
     FORMAT_SHARDED,
     FORMAT_TORCH,
+    FileEntry,
     Manifest,
     check_relative_path,
 )
@@ -137,6 +138,22 @@ def read_manifest_dir(step_dir: Path) -> Manifest:
 def verify_dir(step_dir: Path, *, manifest: Manifest | None = None) -> Manifest:
     """Verify a local checkpoint directory (sizes first: a cheap check before hashing)."""
     manifest = manifest or read_manifest_dir(step_dir)
+    paths = check_sizes(step_dir, manifest)
+    # one sha256 cannot be split across cores, but several files (shards) can be hashed at once
+    workers = max(1, min(len(paths), os.cpu_count() or 1, 8))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+        digests = pool.map(lambda item: sha256_file(item[0])[1], paths)
+        for (_, entry), digest in zip(paths, digests, strict=True):
+            if digest != entry.sha256:
+                raise IntegrityError(
+                    f"{step_dir / entry.path}: sha256 mismatch (the file is corrupt)"
+                )
+    return manifest
+
+
+def check_sizes(step_dir: Path, manifest: Manifest) -> list[tuple[Path, FileEntry]]:
+    """Every listed file present, inside the directory and of the listed size (no hashing);
+    returns each resolved path with its entry."""
     root = step_dir.resolve()
     paths = []
     for entry in manifest.files:
@@ -154,30 +171,30 @@ def verify_dir(step_dir: Path, *, manifest: Manifest | None = None) -> Manifest:
                 "(truncated or replaced)"
             )
         paths.append((path, entry))
-    # one sha256 cannot be split across cores, but several files (shards) can be hashed at once
-    workers = max(1, min(len(paths), os.cpu_count() or 1, 8))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-        digests = pool.map(lambda item: sha256_file(item[0])[1], paths)
-        for (_, entry), digest in zip(paths, digests, strict=True):
-            if digest != entry.sha256:
-                raise IntegrityError(
-                    f"{step_dir / entry.path}: sha256 mismatch (the file is corrupt)"
-                )
-    return manifest
+    return paths
 
 
 def load_state(
-    step_dir: Path, *, manifest: Manifest | None = None, mmap: bool = False
+    step_dir: Path,
+    *,
+    manifest: Manifest | None = None,
+    mmap: bool = False,
+    verified: bool = False,
 ) -> dict[str, Any]:
     """Verify a local checkpoint, then deserialise its train state (schema migrated to v2).
 
     `mmap=True` maps tensors from the file (just read and hashed, so in the page cache)
     instead of copying them: faster and no second copy in memory, but the checkpoint's disk
-    space stays in use while those tensors live, even after it is pruned."""
+    space stays in use while those tensors live, even after it is pruned.
+    `verified=True`: the caller hashed these files against `manifest` moments ago in this
+    process (resolve_resume does); only sizes and paths are checked again."""
     import torch  # imported here so listing/verifying commands start fast
 
     step_dir = Path(step_dir)
-    manifest = verify_dir(step_dir, manifest=manifest)
+    if verified and manifest is not None:
+        check_sizes(step_dir, manifest)
+    else:
+        manifest = verify_dir(step_dir, manifest=manifest)
     listed = {f.path: (f.size, f.sha256) for f in manifest.files}
     source = str(step_dir)
     try:
