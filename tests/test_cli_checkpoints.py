@@ -281,7 +281,11 @@ def test_prune_keeps_k_and_never_the_newest_verified(
     assert refused.returncode == 2 and "--keep must be >= 2" in refused.stderr
     result = runner("prune", run, "--keep", "2", "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"deleted": [1, 2]}
+    assert json.loads(result.stdout) == {
+        "deleted": [1, 2],
+        "orphans_deleted": [],
+        "orphan_bytes": 0,
+    }
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step_000003",
         "step_000004",

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from runner.checkpoint.manifest import created_at_unix
+from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S
 from runner.cli.formatting import human_duration, human_size
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
 
@@ -236,16 +237,40 @@ def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
 @click.command()
 @click.argument("location")
 @click.option("--keep", type=int, required=True, help="Checkpoints to keep (>= 2).")
+@click.option(
+    "--orphan-age-hours",
+    type=click.FloatRange(min=0),
+    default=ORPHAN_MIN_AGE_S / 3600,
+    show_default=True,
+    help="Also delete objects no manifest names (uploads killed with their node, lost "
+    "manifest races) once they are this old. A step without a manifest counts only below "
+    "the newest committed one.",
+)
 @_json_option
-def prune(location: str, keep: int, as_json: bool) -> None:
+def prune(location: str, keep: int, orphan_age_hours: float, as_json: bool) -> None:
     """Delete all but the newest K checkpoints; never the newest one that verifies."""
+    from runner.checkpoint.orphans import sweep_orphans
     from runner.checkpoint.retention import prune as prune_storage
     from runner.storage import open_existing
 
-    deleted = prune_storage(open_existing(location), keep=keep)
+    storage = open_existing(location)
+    deleted = prune_storage(storage, keep=keep)
+    sweep = sweep_orphans(storage, older_than_s=orphan_age_hours * 3600)
     if as_json:
-        _echo_json({"deleted": deleted})
-    elif deleted:
+        _echo_json(
+            {
+                "deleted": deleted,
+                "orphans_deleted": [info.key for info in sweep.deleted],
+                "orphan_bytes": sweep.bytes,
+            }
+        )
+        return
+    if deleted:
         click.echo(f"deleted steps {', '.join(map(str, deleted))}")
-    else:
+    if sweep.deleted:
+        click.echo(
+            f"deleted {len(sweep.deleted)} orphan object{'s' if len(sweep.deleted) != 1 else ''} "
+            f"({human_size(sweep.bytes)}) that no manifest names"
+        )
+    if not deleted and not sweep.deleted:
         click.echo("nothing to prune")

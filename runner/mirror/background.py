@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S, sweep_orphans
 from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import ConfigError, RunnerError, StorageConflictError
@@ -196,6 +197,7 @@ class Mirror:
             protect = set(self._active)
         try:
             prune(self.storage, keep=self.keep, protect=protect | {newest_ok}, newest_ok=newest_ok)
+            sweep_orphans(self.storage, older_than_s=ORPHAN_MIN_AGE_S, protect=protect)
         except RunnerError as exc:  # retention failing must not fail the upload
             log.warning("mirror: pruning %s failed: %s", self.storage.uri, exc)
 

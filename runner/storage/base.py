@@ -52,6 +52,7 @@ ProgressCallback = Callable[[int], None]
 class ObjectInfo:
     key: str
     size: int
+    modified: float | None = None  # unix seconds; None where the backend does not say
 
 
 class Storage(Protocol):

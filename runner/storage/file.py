@@ -118,16 +118,17 @@ class FileStorage:
                 key = full.relative_to(base).as_posix()
                 if key.startswith(prefix):
                     try:
-                        yield ObjectInfo(key=key, size=full.stat().st_size)
+                        st = full.stat()
                     except FileNotFoundError:
                         continue
+                    yield ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime)
 
     def head(self, key: str) -> ObjectInfo:
         try:
             st = self._path(key).stat()
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
-        return ObjectInfo(key=key, size=st.st_size)
+        return ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime)
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -430,7 +430,13 @@ class S3Storage:
                 for obj in page.get("Contents", []):
                     key = obj["Key"][len(root) :]
                     if key and not key.endswith("/"):
-                        found.append(ObjectInfo(key=key, size=int(obj["Size"])))
+                        found.append(
+                            ObjectInfo(
+                                key=key,
+                                size=int(obj["Size"]),
+                                modified=obj["LastModified"].timestamp(),
+                            )
+                        )
             return found
 
         yield from self._call("list", prefix, collect)
@@ -440,7 +446,11 @@ class S3Storage:
         response = self._call(
             "head", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full_key)
         )
-        return ObjectInfo(key=key, size=int(response["ContentLength"]))
+        return ObjectInfo(
+            key=key,
+            size=int(response["ContentLength"]),
+            modified=response["LastModified"].timestamp(),
+        )
 
     def delete(self, key: str) -> None:
         full_key = self._full(key)
