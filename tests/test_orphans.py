@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runner.checkpoint.orphans import find_orphans, sweep_orphans
 from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
-from runner.mirror import upload_checkpoint
+from runner.mirror import Mirror, upload_checkpoint
 from runner.storage import Storage, open_storage
 from tests.test_mirror import make_checkpoint
 from tests.test_mirror_cli import runner
@@ -78,3 +78,21 @@ def test_prune_cli_sweeps_orphans_older_than_the_limit(tmp_path: Path) -> None:
     text = runner("prune", location, "--keep", "2", "--orphan-age-hours", "0")
     assert text.returncode == 0, text.stderr
     assert text.stdout.strip() == "deleted 1 orphan object (1000 B) that no manifest names"
+
+
+def test_the_mirror_sweeps_day_old_debris_after_an_upload(tmp_path: Path) -> None:
+    bucket = tmp_path / "bucket"
+    storage = open_storage(f"file://{bucket}")
+    seed_debris(storage, tmp_path / "run")
+    day_ago = time.time() - 24 * 3600 - 60
+    os.utime(bucket / KILLED_UPLOAD, (day_ago, day_ago))
+    mirror = Mirror(storage, keep=5, writer_id="pod-b")
+    try:
+        mirror.submit(make_checkpoint(tmp_path / "run", 40))
+        assert mirror.wait_idle(timeout=60)
+    finally:
+        mirror.close()
+    assert not (bucket / KILLED_UPLOAD).exists()
+    assert (bucket / LOST_RACE).exists()  # an hour old at most: kept
+    assert (bucket / IN_FLIGHT).exists()  # below 40 now, but just written
+    assert list_checkpoints(storage) == [10, 20, 40]
