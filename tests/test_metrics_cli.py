@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -288,12 +289,20 @@ def test_demo_metrics_follow_checkpoints(tmp_path):
             str(tmp_path / "run"),
             "--mirror",
             f"file://{tmp_path / 'bucket'}",
+            # A clock cadence (not every N steps): however fast the machine, each checkpoint
+            # stays the newest for ~1 s, several scrapes long.
             "--steps",
-            "200",
+            "1000000",
             "--ckpt-every",
-            "50",
+            "0",
+            "--ckpt-every-seconds",
+            "1",
             "--batch-size",
             "4",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
             "--metrics-port",
             str(port),
         ],
@@ -302,21 +311,30 @@ def test_demo_metrics_follow_checkpoints(tmp_path):
     )
     scraper = Scraper(port, process)
     try:
+        first = scraper.until(
+            "a checkpoint in the mirror",
+            lambda s: (value(s, "runner_checkpoint_last_step", location="remote") or 0) > 0,
+            timeout=180,
+        )
+        first_remote = value(first, "runner_checkpoint_last_step", location="remote") or 0
         last = scraper.until(
             "a second checkpoint in the mirror",
-            lambda s: (value(s, "runner_checkpoint_last_step", location="remote") or 0) >= 100,
+            lambda s: (
+                (value(s, "runner_checkpoint_last_step", location="remote") or 0) > first_remote
+            ),
             timeout=180,
         )
         steps = [step for step in scraper.series("runner_train_step") if step is not None]
-        assert steps == sorted(steps) and steps[-1] >= 100
+        assert steps == sorted(steps) and steps[-1] > first_remote
         local = [s for s in scraper.series("runner_checkpoint_last_step", location="local") if s]
-        assert local == sorted(local) and set(local) <= {50.0, 100.0, 150.0, 200.0}
+        assert local == sorted(local) and len(set(local)) >= 2
         assert_age_resets_at_each_checkpoint(scraper, "local")
         assert value(last, "runner_checkpoint_failures_total", stage="save") == 0
         assert value(last, "runner_checkpoint_failures_total", stage="upload") == 0
         assert (value(last, "runner_checkpoint_bytes") or 0) > 0
         assert (value(last, "runner_checkpoint_save_duration_seconds_count") or 0) >= 2
-        assert process.wait(timeout=180) == 0, (tmp_path / "demo.log").read_text()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=180) == 75, (tmp_path / "demo.log").read_text()[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
