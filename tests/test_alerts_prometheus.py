@@ -106,7 +106,8 @@ def test_stale_alert_fires_when_checkpoints_stop_and_down_when_the_runner_dies(
             ],
             30,
         )
-        assert time.monotonic() - stopped >= SHORT.stale_after + SHORT.stale_for
+        # the last checkpoint may predate the stop by one 0.25 s driver cycle
+        assert time.monotonic() - stopped >= SHORT.stale_after + SHORT.stale_for - 0.5
         (alert,) = firing
         assert alert["labels"] == {
             "alertname": "RunnerCheckpointStale",

@@ -35,7 +35,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[in
 def test_sigterm_commits_final_checkpoint_exits_75_and_resume_is_exact(
     tmp_path: Path, straight_run: tuple[str, dict[int, float]]
 ) -> None:
-    stop_at = random.randint(5, DEMO_STEPS - 10)
+    stop_at = random.randint(5, DEMO_STEPS // 2)  # margin: a fast machine runs on meanwhile
     proc = start_demo(tmp_path)
     wait_for_step(proc, tmp_path, stop_at)
     proc.send_signal(signal.SIGTERM)

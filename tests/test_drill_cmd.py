@@ -9,7 +9,7 @@ import sys
 
 def test_drill_reports_exact_resume_and_the_cost_of_each_omission() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "runner", "drill", "--steps", "12", "--stop-at", "7", "--json"],
+        [sys.executable, "-m", "runner", "drill", "--steps", "40", "--stop-at", "7", "--json"],
         capture_output=True,
         text=True,
         timeout=600,
