@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 
@@ -19,21 +20,26 @@ class ProgressDisplay:
         stream: TextIO | None = None,
         live: bool | None = None,
         every_seconds: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.total_steps = total_steps
         self.stream = stream or sys.stderr
         self.live = self.stream.isatty() if live is None else live
         self.every_seconds = every_seconds
+        self.clock = clock
         self._rate_mark: tuple[float, int] | None = None
         self._rate = 0.0
         self._last_print = 0.0
         self._ckpt: tuple[int, float] | None = None
 
-    def checkpoint(self, step: int) -> None:
-        self._ckpt = (step, time.monotonic())
+    def checkpoint(self, step: int, *, age_seconds: float = 0.0) -> None:
+        """A checkpoint was committed `age_seconds` ago. Call it once per commit, never per
+        step: the age shown is how stale the newest checkpoint is, and only a new one may
+        reset it."""
+        self._ckpt = (step, self.clock() - max(0.0, age_seconds))
 
     def update(self, *, step: int, loss: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self._rate_mark is None:
             self._rate_mark = (now, step)
         elif now - self._rate_mark[0] >= 1.0:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
+from runner.checkpoint.manifest import created_at_unix
+from runner.checkpoint.reader import local_step_dir, read_manifest_dir
 from runner.config import RunConfig
 from runner.demo.components import build_demo
 from runner.demo.display import ProgressDisplay
+from runner.errors import RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
 from runner.session import TrainSession
@@ -36,12 +40,17 @@ def run_demo(
         )
         with TrainSession(config, state=components, stop=stop) as session:
             if session.resumed_from is not None:
-                display.checkpoint(session.resumed_from)
+                display.checkpoint(
+                    session.resumed_from, age_seconds=_checkpoint_age(session, session.resumed_from)
+                )
+            shown = session.last_checkpoint
             while not session.should_stop:
                 loss = components.train_step()
                 session.step_done()
-                if session.last_checkpoint is not None:
-                    display.checkpoint(session.last_checkpoint.step)
+                if session.last_checkpoint is not shown:  # a new commit, not every step
+                    shown = session.last_checkpoint
+                    if shown is not None:
+                        display.checkpoint(shown.step)
                 display.update(step=session.step, loss=loss)
             code = session.finish()
         display.close()
@@ -53,3 +62,14 @@ def run_demo(
     finally:
         stop.close()
         restore_signals()
+
+
+def _checkpoint_age(session: TrainSession, step: int) -> float:
+    """Seconds since the checkpoint we resumed from was written (0 when unknown): a resumed
+    run shows how old its starting point really is, not the moment it was loaded."""
+    try:
+        manifest = read_manifest_dir(local_step_dir(session.run_dir, step))
+    except (OSError, RunnerError):
+        return 0.0
+    created = created_at_unix(manifest.created_at)
+    return max(0.0, time.time() - created) if created is not None else 0.0
