@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.checkpoint.layout import CHECKPOINTS_DIR, checkpoint_key, parse_seed_bin
+from runner.checkpoint.layout import (
+    CHECKPOINTS_DIR,
+    checkpoint_key,
+    parse_seed_bin,
+    seed_bin_name,
+)
 from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
 from runner.checkpoint.reader import newest_verified, read_manifest_dir
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
@@ -27,6 +33,9 @@ from runner.storage.file import FileStorage
 log = logging.getLogger(__name__)
 
 REJECTED_SUFFIX = ".rejected"
+# Looks like a seed checkpoint but with a step of fewer than six digits (`step_40.bin`):
+# never adopted (the name does not follow the format), but the trainer's author must hear why.
+_SHORT_SEED_BIN = re.compile(r"^step_\d{1,5}\.bin$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +53,7 @@ class SeedAdopter:
         self.writer = writer
         self.rejected: list[Path] = []
         self._last_seen: dict[str, tuple[int, int]] = {}
+        self._misnamed_warned: set[str] = set()
 
     def pending(self) -> list[Path]:
         """Seed files waiting in the checkpoint directory, in step order."""
@@ -54,7 +64,20 @@ class SeedAdopter:
             step = parse_seed_bin(entry.name)
             if step is not None and entry.is_file():
                 found.append((step, entry))
+            elif _SHORT_SEED_BIN.match(entry.name):
+                self._warn_misnamed(entry)
         return [path for _, path in sorted(found)]
+
+    def _warn_misnamed(self, path: Path) -> None:
+        if path.name in self._misnamed_warned:
+            return
+        self._misnamed_warned.add(path.name)
+        log.warning(
+            "ignoring %s: seed checkpoints must be named step_NNNNNN.bin (six digits or "
+            "more, e.g. %s); write it under that name to have it adopted",
+            path,
+            seed_bin_name(int(path.name[len("step_") : -len(".bin")])),
+        )
 
     def scan(self, *, settled: bool) -> list[Adopted]:
         """Adopt every seed file present. While the trainer runs (`settled=False`) a file is

@@ -408,3 +408,23 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_handed_back(
     assert "not resuming from step 10" in again.err and "sha256 mismatch" in again.err
     assert list_checkpoints(FileStorage(run_dir)) == [5, 10, 12]
     _assert_adopted(run_dir, 10)  # redone and committed again over the corrupt one
+
+
+def test_misnamed_seed_bin_is_ignored_with_one_warning(
+    tmp_path: Path, supervised: list[Supervised]
+) -> None:
+    run_dir = tmp_path / "run"
+    # step_40.bin: a valid seed payload under a name with fewer than six digits
+    script = (
+        "import os, struct, time; d = os.environ['RUNNER_CKPT_DIR'];"
+        " open(os.path.join(d, 'step_40.bin'), 'wb').write(struct.pack('<ii', 40, 1) + bytes(12));"
+        " time.sleep(1.5); print('done')"
+    )
+    s = _start(supervised, ["--run-dir", str(run_dir), "--", sys.executable, "-c", script])
+    assert s.wait() == 0, s.err
+    warnings = [line for line in s.err.splitlines() if "step_40.bin" in line]
+    assert len(warnings) == 1, s.err  # once per file, not at every scan
+    assert "must be named step_NNNNNN.bin (six digits" in warnings[0]
+    assert "step_000040.bin" in warnings[0]
+    assert (run_dir / "checkpoints" / "step_40.bin").exists()  # left alone, never adopted
+    assert list_checkpoints(FileStorage(run_dir)) == []
