@@ -1,10 +1,11 @@
 """`runner run -- CMD`: supervise any trainer.
 
-The trainer runs in its own process group with RUNNER_RUN_DIR, RUNNER_CKPT_DIR and
-RUNNER_RESUME_FROM in its environment. SIGTERM / SIGINT / SIGUSR1 (and cloud preemption
-notices, as a SIGTERM) are forwarded to the group; seed `.bin` files it writes are checked,
-committed with a manifest, mirrored and handed back on the next start. Crashes are restarted
-with exponential backoff up to `max_restarts`; then ChildFailedError shows its last output.
+The trainer runs in its own process group with RUNNER_RUN_DIR, RUNNER_CKPT_DIR,
+RUNNER_RESUME_FROM and RUNNER_RESUME_FORMAT in its environment. SIGTERM / SIGINT / SIGUSR1
+(and cloud preemption notices, as a SIGTERM) are forwarded to the group; seed `.bin` files
+it writes are checked, committed with a manifest, mirrored and handed back on the next
+start. Crashes are restarted with exponential backoff up to `max_restarts`; then
+ChildFailedError shows its last output.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 ENV_RUN_DIR = "RUNNER_RUN_DIR"
 ENV_CKPT_DIR = "RUNNER_CKPT_DIR"
 ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
+# The manifest's format (seed-bin, torch-state, torch-sharded): a trainer checks it before
+# parsing RUNNER_RESUME_FROM, so a payload it cannot read is refused, not misread.
+ENV_RESUME_FORMAT = "RUNNER_RESUME_FORMAT"
 ENV_RESUME_STEP = "RUNNER_RESUME_STEP"
 ENV_ATTEMPT = "RUNNER_ATTEMPT"
 SUPERVISOR_ONLY_ENV = frozenset(
@@ -370,6 +374,7 @@ class Supervisor:
         env[ENV_RUN_DIR] = str(self.run_dir)
         env[ENV_CKPT_DIR] = str(self.ckpt_dir)
         env[ENV_RESUME_FROM] = str(resume.payload) if resume else ""
+        env[ENV_RESUME_FORMAT] = resume.manifest.format if resume else ""
         env[ENV_RESUME_STEP] = str(resume.step) if resume else ""
         env[ENV_ATTEMPT] = str(self.attempts)
         return env

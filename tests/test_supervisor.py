@@ -312,7 +312,8 @@ def test_child_environment_and_own_process_group(
     run_dir = tmp_path / "run"
     script = (
         "import os; print('env', os.environ['RUNNER_RUN_DIR'], os.environ['RUNNER_CKPT_DIR'],"
-        " repr(os.environ['RUNNER_RESUME_FROM'])); print('group', os.getpgid(0) == os.getpid(),"
+        " repr(os.environ['RUNNER_RESUME_FROM']), repr(os.environ['RUNNER_RESUME_FORMAT']));"
+        " print('group', os.getpgid(0) == os.getpid(),"
         " os.getpgid(0) != os.getpgid(os.getppid()));"
         " print('passed', os.environ.get('RUNNER_NOTICE_ENDPOINT'),"
         " os.environ['RUNNER_CKPT_EVERY'])"
@@ -325,7 +326,7 @@ def test_child_environment_and_own_process_group(
     )
     assert s.wait() == 0, s.err
     absolute = run_dir.absolute()
-    assert f"env {absolute} {absolute / 'checkpoints'} ''" in s.out
+    assert f"env {absolute} {absolute / 'checkpoints'} '' ''" in s.out
     assert "group True True" in s.out
     assert "passed None 7" in s.out
 
@@ -428,3 +429,61 @@ def test_misnamed_seed_bin_is_ignored_with_one_warning(
     assert "step_000040.bin" in warnings[0]
     assert (run_dir / "checkpoints" / "step_40.bin").exists()  # left alone, never adopted
     assert list_checkpoints(FileStorage(run_dir)) == []
+
+
+ENV_SCRIPT = (
+    "import os; print('env', os.environ['RUNNER_RUN_DIR'], repr(os.environ['RUNNER_RESUME_FROM']),"
+    " repr(os.environ['RUNNER_RESUME_FORMAT']))"
+)
+
+
+def _runner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "RUNNER_RUN_DIR"}
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env={**env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_run_has_its_own_default_run_dir_not_the_demos(tmp_path: Path) -> None:
+    """After `runner demo` with its defaults, `runner run -- CMD` with its defaults starts
+    fresh: it must not hand a trainer the demo's torch checkpoint."""
+    demo = _runner(
+        "demo", "--steps", "3", "--ckpt-every", "3", "--device", "cpu", "--threads", "1",
+        "--no-progress", cwd=tmp_path,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr
+    assert (tmp_path / "runs/demo/checkpoints/step_000003/manifest.json").exists()
+    run = _runner("run", "--", sys.executable, "-c", ENV_SCRIPT, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert f"env {tmp_path / 'runs' / 'run'} '' ''" in run.stdout
+
+
+def test_resume_format_is_passed_and_a_seed_trainer_refuses_a_torch_checkpoint(
+    tmp_path: Path, seed_trainer: Path, supervised: list[Supervised]
+) -> None:
+    run_dir = tmp_path / "run"
+    demo = _runner(
+        "demo", "--run-dir", str(run_dir), "--steps", "3", "--ckpt-every", "3", "--device",
+        "cpu", "--threads", "1", "--no-progress", cwd=tmp_path,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr
+    payload = run_dir.absolute() / "checkpoints" / "step_000003" / "state.pt"
+    s = _start(supervised, ["--run-dir", str(run_dir), "--", sys.executable, "-c", ENV_SCRIPT])
+    assert s.wait() == 0, s.err
+    assert f"{str(payload)!r} 'torch-state'" in s.out
+    s = _start(
+        supervised,
+        ["--run-dir", str(run_dir), "--max-restarts", "0", "--", str(seed_trainer), "5",
+         str(N_PARAMS), "1", "5"],
+    )  # fmt: skip
+    assert s.wait() == 1, s.err
+    assert (
+        f"cannot resume from {payload}: its format is torch-state (RUNNER_RESUME_FORMAT), "
+        "and this trainer reads only seed-bin checkpoints"
+    ) in s.err
+    assert "started at step" not in s.out  # refused before parsing a byte of it

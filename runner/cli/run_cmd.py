@@ -44,11 +44,13 @@ def run(
 ) -> None:
     """Supervise a trainer written in any language.
 
-    The trainer gets RUNNER_RUN_DIR, RUNNER_CKPT_DIR and RUNNER_RESUME_FROM (the newest
-    verified checkpoint's payload, empty when none). Seed-format step_NNNNNN.bin files it
-    writes into RUNNER_CKPT_DIR (temp name, then rename) are checked, committed with a
-    manifest, mirrored and handed back on resume. SIGTERM/SIGINT/SIGUSR1 are forwarded to its
-    process group; crashes are restarted with exponential backoff up to --max-restarts.
+    The trainer gets RUNNER_RUN_DIR, RUNNER_CKPT_DIR, RUNNER_RESUME_FROM (the newest
+    verified checkpoint's payload, empty when none) and RUNNER_RESUME_FORMAT (its format:
+    seed-bin, torch-state or torch-sharded; a trainer refuses one it cannot read).
+    Seed-format step_NNNNNN.bin files it writes into RUNNER_CKPT_DIR (temp name, then rename)
+    are checked, committed with a manifest, mirrored and handed back on resume.
+    SIGTERM/SIGINT/SIGUSR1 are forwarded to its process group; crashes are restarted with
+    exponential backoff up to --max-restarts.
 
     Exit codes: 0 the trainer finished, 75 stopped by a signal or a preemption notice.
     """
@@ -72,6 +74,14 @@ def run(
 
         raise ConfigError(f"--restart-backoff must be >= 0 (got {restart_backoff})")
     sys.exit(supervise(list(command), config=config, restart_backoff=restart_backoff))
+
+
+# Not the demo's runs/demo: after `runner demo`, a trainer supervised with the default run dir
+# would be handed the demo's torch checkpoint to resume from.
+RUN_DEFAULT_DIR = "runs/run"
+for _param in run.params:
+    if _param.name == "run_dir":
+        _param.default = RUN_DEFAULT_DIR
 
 
 def supervise(command: list[str], *, config: RunConfig, restart_backoff: float = 1.0) -> int:

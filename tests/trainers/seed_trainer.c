@@ -3,7 +3,8 @@
  * It trains n parameters with a deterministic AdamW-style update and writes seed-format
  * checkpoints (step_NNNNNN.bin: int32 step, int32 n, n f32 weights, n f32 m, n f32 v) into
  * $RUNNER_CKPT_DIR under a temp name, then renames them. It resumes from $RUNNER_RESUME_FROM
- * and appends each step's loss to $RUNNER_RUN_DIR/loss.jsonl.
+ * (refusing, exit 2, any $RUNNER_RESUME_FORMAT other than seed-bin) and appends each step's
+ * loss to $RUNNER_RUN_DIR/loss.jsonl.
  *   SIGUSR1          -> checkpoint at the end of the step, keep going
  *   SIGTERM / SIGINT -> checkpoint at the end of the step, exit 0
  * Usage: seed_trainer TOTAL_STEPS N_PARAMS STEP_MS CKPT_EVERY
@@ -65,10 +66,21 @@ int main(int argc, char **argv) {
     int every = atoi(argv[4]);
     const char *dir = getenv("RUNNER_CKPT_DIR");
     const char *resume = getenv("RUNNER_RESUME_FROM");
+    const char *format = getenv("RUNNER_RESUME_FORMAT");
     const char *run_dir = getenv("RUNNER_RUN_DIR");
     char loss_path[4096] = "";
     if (run_dir && *run_dir) snprintf(loss_path, sizeof loss_path, "%s/loss.jsonl", run_dir);
     if (!dir || !*dir) { fprintf(stderr, "RUNNER_CKPT_DIR is not set\n"); return 2; }
+    /* Check the format before reading a byte: a torch file parsed as a seed header gives
+     * a nonsense step instead of an error. */
+    if (resume && *resume && format && *format && strcmp(format, "seed-bin") != 0) {
+        fprintf(stderr,
+                "cannot resume from %s: its format is %s (RUNNER_RESUME_FORMAT), and this "
+                "trainer reads only seed-bin checkpoints (step_NNNNNN.bin). Give it a run dir "
+                "of its own (--run-dir) or one whose checkpoints it wrote\n",
+                resume, format);
+        return 2;
+    }
 
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
