@@ -3,11 +3,13 @@ environment: the CLI maps `--option` and `RUNNER_<OPTION>` onto these fields."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlparse
 
 from runner.errors import ConfigError
 
@@ -52,6 +54,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # nan passes every `> 0` check below, and inf turns deadlines and cadences into
+            # never; neither is a meaningful setting
+            if isinstance(value, float) and not math.isfinite(value):
+                option = f"--{f.name.replace('_', '-')}"
+                raise ConfigError(f"{option} must be a finite number (got {value})")
         if self.keep < 2:
             raise ConfigError(
                 f"--keep must be >= 2 (got {self.keep}): "
@@ -77,3 +86,20 @@ class RunConfig:
             raise ConfigError(
                 f"--mirror {self.mirror!r}: use s3://bucket/prefix or file:///absolute/path"
             )
+        if self.notice_endpoint is not None:
+            _check_endpoint(self.notice_endpoint)
+
+
+def _check_endpoint(url: str) -> None:
+    """Fail at start-up, not in the poller thread where a bad URL would only switch notices
+    off with a log line."""
+    parsed = urlparse(url)
+    try:
+        port_ok = parsed.port is None or parsed.port > 0
+    except ValueError:  # not a number, or out of range
+        port_ok = False
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
+        raise ConfigError(
+            f"--notice-endpoint {url!r}: give the metadata server's base URL, "
+            "http://HOST[:PORT] or https://HOST[:PORT] (e.g. http://169.254.169.254)"
+        )

@@ -122,6 +122,7 @@ def test_no_verify_reads_manifests_only(run_and_mirror):
 
 
 def test_empty_location(tmp_path):
+    (tmp_path / "empty").mkdir()  # a missing directory is a usage error (test_cli_validation)
     result = runner_cli("status", str(tmp_path / "empty"))
     assert result.returncode == EXIT_OK, result.stderr
     assert result.stdout == f"{tmp_path / 'empty'}\n  no checkpoints\n"

@@ -18,6 +18,7 @@ import click
 from runner.checkpoint.manifest import created_at_unix
 from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S
 from runner.cli.formatting import human_duration, human_size
+from runner.cli.options import STEP
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -82,7 +83,7 @@ def ls(location: str, deep: bool, as_json: bool) -> None:
 
 @click.command()
 @click.argument("location")
-@click.option("--step", type=int, default=None, help="Verify only this step.")
+@click.option("--step", type=STEP, default=None, help="Verify only this step.")
 @_json_option
 def verify(location: str, step: int | None, as_json: bool) -> None:
     """Hash every file of every checkpoint at LOCATION and name each corrupt one.
@@ -206,7 +207,7 @@ def convert(src: Path, dst: Path, samples_seen: int, as_json: bool) -> None:
 @click.command()
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--step", type=int, default=None, help="Fork from this step (default: newest).")
+@click.option("--step", type=STEP, default=None, help="Fork from this step (default: newest).")
 @_json_option
 def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
     """Start a new run dir DST from one checkpoint of SRC (audit fork: own run_id, loss

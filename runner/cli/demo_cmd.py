@@ -34,7 +34,7 @@ def config_from_options(**kwargs: Any) -> RunConfig:
 @click.option(
     "--threads",
     envvar="RUNNER_THREADS",
-    type=int,
+    type=click.IntRange(min=1),
     default=1,
     show_default=True,
     help="torch CPU threads; CPU results are bit-exact only at the same count.",

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from runner import __version__
+from runner.cli.options import finite_float_type
 from runner.errors import EXIT_FAILURE, EXIT_USAGE, RunnerError
 
 # name -> "module:attribute"; importing lazily keeps `runner --help` fast (no torch import).
@@ -45,11 +46,22 @@ class LazyGroup(click.Group):
         return command
 
 
+# Eager options that answer and exit before anything runs: read from the environment they
+# would hijack every command (RUNNER_VERSION is a common CI variable name).
+NO_ENV_OPTIONS = frozenset({"help", "version"})
+
+
 def with_env_defaults(command: click.Command) -> click.Command:
     """Every option is also read from RUNNER_<OPTION> (DESIGN.md, CLI): options that do not
-    name their variable get the default one, so no command can forget it."""
+    name their variable get the default one, so no command can forget it. Every float option
+    also rejects nan and inf, which pass click's float parsing and every `> 0` check."""
     for param in command.params:
         if not isinstance(param, click.Option):
+            continue
+        param.type = finite_float_type(param.type)
+        if param.name in NO_ENV_OPTIONS:
+            param.envvar = None
+            param.show_envvar = False
             continue
         if param.envvar is None:
             long_names = [o for o in param.opts if o.startswith("--")]

@@ -4,12 +4,59 @@ Every option is also read from `RUNNER_<OPTION>` (DESIGN.md, CLI)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _require_finite(
+    param_type: click.ParamType,
+    value: float,
+    raw: Any,
+    param: click.Parameter | None,
+    ctx: click.Context | None,
+) -> float:
+    # float("nan") and float("inf") parse, and nan passes every `x > 0` check after it
+    if not math.isfinite(value):
+        param_type.fail(f"{raw!r} is not a finite number", param, ctx)
+    return value
+
+
+class FiniteFloat(click.types.FloatParamType):
+    """A float that is not nan or +-inf."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return _require_finite(self, super().convert(value, param, ctx), value, param, ctx)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also rejects nan (which no range comparison catches) and inf."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return _require_finite(self, super().convert(value, param, ctx), value, param, ctx)
+
+
+FINITE_FLOAT = FiniteFloat()
+
+
+def finite_float_type(param_type: click.ParamType) -> click.ParamType:
+    """The finite version of click's float types; any other type unchanged. Applied to every
+    option of every command by `cli.main.with_env_defaults`, so no float option can forget it."""
+    if type(param_type) is click.FloatRange:
+        return FiniteFloatRange(
+            param_type.min,
+            param_type.max,
+            min_open=param_type.min_open,
+            max_open=param_type.max_open,
+            clamp=param_type.clamp,
+        )
+    if type(param_type) is click.types.FloatParamType:
+        return FINITE_FLOAT
+    return param_type
 
 
 def _opt(*names: str, env: str, **kwargs: Any) -> Callable[[F], F]:
@@ -42,7 +89,7 @@ ckpt_every = _opt(
 ckpt_every_seconds = _opt(
     "--ckpt-every-seconds",
     env="RUNNER_CKPT_EVERY_SECONDS",
-    type=float,
+    type=FINITE_FLOAT,
     default=None,
     help="Also checkpoint every T seconds, whichever first.",
 )
@@ -56,7 +103,7 @@ keep = _opt(
 grace_seconds = _opt(
     "--grace-seconds",
     env="RUNNER_GRACE_SECONDS",
-    type=float,
+    type=FINITE_FLOAT,
     default=110.0,
     help="Budget from SIGTERM to exit for the final checkpoint and upload.",
 )
@@ -77,7 +124,7 @@ notices = _opt(
 notice_poll_seconds = _opt(
     "--notice-poll-seconds",
     env="RUNNER_NOTICE_POLL_SECONDS",
-    type=float,
+    type=FINITE_FLOAT,
     default=5.0,
     help="Interval between preemption notice polls.",
 )
@@ -97,10 +144,13 @@ max_restarts = _opt(
 restart_backoff = _opt(
     "--restart-backoff",
     env="RUNNER_RESTART_BACKOFF",
-    type=float,
+    type=FINITE_FLOAT,
     default=1.0,
     help="First delay before restarting a crashed trainer, doubled each time (max 60 s).",
 )
+STEP = click.IntRange(min=0)
+"""A checkpoint step (`--step N`): step 0 is the state before the first update."""
+
 seed = _opt("--seed", env="RUNNER_SEED", type=int, default=0, help="Random seed of the run.")
 json_output = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 

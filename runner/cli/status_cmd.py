@@ -48,9 +48,11 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
     """Read (and with `verify`, hash) the checkpoints at `location`, newest first, until one
     verifies."""
     from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint
-    from runner.storage import open_storage
+    from runner.storage import open_existing
 
-    storage = open_storage(location)
+    # a missing local directory is a mistyped path (exit 2, as in ls/verify), while an
+    # empty bucket prefix is a run that has not checkpointed yet
+    storage = open_existing(location)
     steps = list_checkpoints(storage)
     newest: CheckpointSummary | None = None
     newest_verified: CheckpointSummary | None = None

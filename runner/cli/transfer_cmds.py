@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from runner.errors import IntegrityError, NoVerifiedCheckpointError, StorageNotFoundError
+from runner.cli.options import STEP
+from runner.errors import (
+    ConfigError,
+    IntegrityError,
+    NoVerifiedCheckpointError,
+    StorageNotFoundError,
+)
+
+if TYPE_CHECKING:
+    from runner.checkpoint.manifest import Manifest
 
 
 @click.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("location")
-@click.option("--step", type=int, default=None, help="Push only this step (default: all).")
+@click.option("--step", type=STEP, default=None, help="Push only this step (default: all).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
     """Upload the committed checkpoints of RUN_DIR to LOCATION (manifest last, each file
@@ -69,7 +78,7 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
 @click.argument("location")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
-    "--step", type=int, default=None, help="Pull this step (default: newest that verifies)."
+    "--step", type=STEP, default=None, help="Pull this step (default: newest that verifies)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
@@ -94,7 +103,9 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
     skipped: list[dict[str, Any]] = []
     for s in candidates:
         try:
-            total = read_manifest(storage, s).total_bytes
+            remote = read_manifest(storage, s)
+            _refuse_to_replace_a_different_checkpoint(dest, remote, source=storage.uri)
+            total = remote.total_bytes
             with transfer_progress(total, desc=f"pull step {s}") as progress:
                 path = download_checkpoint(storage, s, dest, progress=progress)
         except (IntegrityError, StorageNotFoundError) as exc:
@@ -110,4 +121,30 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
     raise NoVerifiedCheckpointError(
         f"no checkpoint at {storage.uri} verified (tried steps "
         f"{', '.join(str(x['step']) for x in skipped)})"
+    )
+
+
+def _refuse_to_replace_a_different_checkpoint(dest: Path, remote: Manifest, *, source: str) -> None:
+    """ConfigError when DEST already holds a verified checkpoint of the same step with other
+    training state (another seed, a fork): replacing it would silently swap the run's history
+    for another run's. A corrupt local copy may be replaced (that is a repair), an identical
+    one is left as it is."""
+    from runner.checkpoint.layout import checkpoint_key
+    from runner.checkpoint.reader import verify_dir
+
+    local_dir = dest / checkpoint_key(remote.step)
+    if not local_dir.exists():
+        return
+    try:
+        local = verify_dir(local_dir)
+    except IntegrityError:
+        return
+    if local.fingerprint == remote.fingerprint:
+        return
+    raise ConfigError(
+        f"{local_dir} already holds a different checkpoint of step {remote.step} that "
+        f"verifies (fingerprint {local.fingerprint}; the one at {source} has "
+        f"{remote.fingerprint}); pulling would replace this run's training state, so nothing "
+        "was changed. Pull into another directory, or delete the local step directory first "
+        "to take the remote one"
     )

@@ -55,8 +55,10 @@ def _request(
 ) -> tuple[int, dict[str, str], bytes]:
     """(status, headers, body). HTTP error statuses are returned, not raised; network
     failures raise MetadataUnavailable."""
-    req = urllib.request.Request(url, headers=headers, method=method)
     try:
+        # inside the try: a malformed URL raises ValueError here, and in the poller thread
+        # an exception that is not MetadataUnavailable would end polling for the whole run
+        req = urllib.request.Request(url, headers=headers, method=method)
         with _NO_PROXY.open(req, timeout=timeout) as resp:
             return resp.status, dict(resp.headers.items()), resp.read()
     except urllib.error.HTTPError as exc:
