@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,5 +55,19 @@ def run_services(config: RunConfig, stop: StopController) -> Iterator[Services]:
             stack.callback(poller.close)
         mirror = make_mirror(config, metrics)
         if mirror is not None:
-            stack.callback(mirror.close)
+            stack.callback(close_mirror, mirror, stop, grace_seconds=config.grace_seconds)
         yield Services(metrics=metrics, mirror=mirror)
+
+
+def close_mirror(mirror: Mirror, stop: StopController, *, grace_seconds: float) -> None:
+    """After a stop, wait for the mirror only until the stop's deadline (the request's own,
+    else the grace period from when it arrived): an upload still retrying against a dead
+    endpoint must not keep a preempted process alive past its notice. Whatever is left is
+    abandoned; runner.cli.exiting then exits without joining the threads stuck on it."""
+    if not stop.stop_requested:
+        mirror.close()
+        return
+    deadline = stop.deadline
+    if deadline is None:
+        deadline = stop.requests[0].at + grace_seconds
+    mirror.close(timeout=max(0.0, deadline - time.monotonic()))

@@ -98,9 +98,9 @@ class Mirror:
                 self._upload(ckpt)
             except RunnerError:
                 pass  # already logged and counted; the next checkpoint tries again
-            except Exception:  # never let the worker die: training must go on
+            except Exception as exc:  # never let the worker die: training must go on
                 log.exception("mirror: unexpected failure uploading step %d", ckpt.step)
-                self._failed(ckpt.step, "unexpected failure")
+                self._failed(ckpt.step, f"unexpected failure: {exc}")
             finally:
                 with self._cond:
                     self._active.discard(ckpt.step)
@@ -128,7 +128,11 @@ class Mirror:
             try:
                 self._upload(ckpt)
                 outcome.append(True)
-            except Exception:
+            except RunnerError:
+                outcome.append(False)  # logged and recorded by _upload
+            except Exception as exc:  # a bug or an unforeseen OS error: say which step
+                log.exception("mirror: unexpected failure uploading step %d", ckpt.step)
+                self._failed(ckpt.step, f"unexpected failure: {exc}")
                 outcome.append(False)
             finally:
                 with self._cond:
@@ -245,10 +249,20 @@ class Mirror:
             busy = self._worker_step is not None and self._worker_step > newest
             return self._pending is None and not busy
 
-        self._wait(settled, timeout)
+        finished = self._wait(settled, timeout)
         with self._cond:
             self._closing = True
             idle = self._worker_step is None
+            if not finished:
+                left = sorted(self._active | ({self._pending.step} if self._pending else set()))
+                log.error(
+                    "mirror: abandoning upload of step(s) %s to %s: out of time (%.1fs); what "
+                    "is already there stays valid (manifests go last)",
+                    ", ".join(map(str, left)),
+                    self.storage.uri,
+                    timeout or 0.0,
+                )
+                self._pending = None
             self._cond.notify_all()
         if self._worker is not None and idle:
             self._worker.join(timeout)

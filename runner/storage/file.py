@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -12,7 +13,9 @@ from runner.checkpoint.atomic import HashingFileWriter, fsync_dir, read_chunks, 
 from runner.checkpoint.layout import TMP_PREFIX
 from runner.errors import (
     IntegrityError,
+    RunnerError,
     StorageConflictError,
+    StorageError,
     StorageNotFoundError,
 )
 from runner.storage.base import ObjectInfo, ProgressCallback, check_download, check_key
@@ -29,6 +32,20 @@ class FileStorage:
     def _path(self, key: str) -> Path:
         return self.root / check_key(key, uri=self.uri)
 
+    @contextlib.contextmanager
+    def _os_errors(self, action: str, key: str) -> Iterator[None]:
+        """A failing disk or mount (full, read-only, a file where a directory should be)
+        becomes a StorageError naming the location, like any other backend's failure."""
+        try:
+            yield
+        except RunnerError:
+            raise
+        except OSError as exc:
+            raise StorageError(
+                f"{self.uri}/{key}: cannot {action}: {exc.strerror or exc}"
+                f"{f' ({exc.filename})' if exc.filename else ''}"
+            ) from exc
+
     def put_file(
         self,
         key: str,
@@ -36,6 +53,17 @@ class FileStorage:
         *,
         sha256: str | None = None,
         progress: ProgressCallback | None = None,
+    ) -> None:
+        with self._os_errors("write", key):
+            self._put_file(key, src, sha256=sha256, progress=progress)
+
+    def _put_file(
+        self,
+        key: str,
+        src: Path,
+        *,
+        sha256: str | None,
+        progress: ProgressCallback | None,
     ) -> None:
         dst = self._path(key)
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -51,6 +79,10 @@ class FileStorage:
             writer.commit()
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        with self._os_errors("write", key):
+            self._put_bytes(key, data, if_absent=if_absent)
+
+    def _put_bytes(self, key: str, data: bytes, *, if_absent: bool) -> None:
         dst = self._path(key)
         dst.parent.mkdir(parents=True, exist_ok=True)
         if not if_absent:
@@ -82,7 +114,11 @@ class FileStorage:
         sha256: str | None = None,
         size: int | None = None,
     ) -> None:
-        with self.open_read(key) as f, HashingFileWriter(dst) as writer:
+        with (
+            self._os_errors("download", key),
+            self.open_read(key) as f,
+            HashingFileWriter(dst) as writer,
+        ):
             for chunk in read_chunks(f):
                 writer.write(chunk)
                 if progress:
@@ -138,6 +174,8 @@ class FileStorage:
             return
         except IsADirectoryError:
             shutil.rmtree(path, ignore_errors=True)
+        except OSError as exc:
+            raise StorageError(f"{self.uri}/{key}: cannot delete: {exc.strerror or exc}") from exc
         # drop directories left empty, up to the root
         parent = path.parent
         while parent != self.root and parent.is_relative_to(self.root):
