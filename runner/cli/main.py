@@ -5,11 +5,12 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-from typing import Any
+from typing import NoReturn
 
 import click
 
 from runner import __version__
+from runner.cli.exiting import exit_process
 from runner.cli.options import finite_float_type
 from runner.errors import EXIT_FAILURE, EXIT_USAGE, RunnerError
 
@@ -86,17 +87,33 @@ def cli(verbose: int) -> None:
 with_env_defaults(cli)
 
 
-def main(argv: list[str] | None = None) -> Any:
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The `runner` command. Called without argv it owns the process (console script,
+    `python -m runner`) and exits on time even with an upload thread stuck after a stop;
+    with argv (embedding, tests) it raises SystemExit as usual."""
+    code = _run(argv)
+    if argv is None:
+        exit_process(code)
+    sys.exit(code)
+
+
+def _run(argv: list[str] | None) -> int:
     try:
-        return cli.main(args=argv, prog_name="runner", standalone_mode=False)
+        cli.main(args=argv, prog_name="runner", standalone_mode=False)
+    except SystemExit as exc:  # a command's sys.exit(code)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        click.echo(exc.code, err=True)
+        return EXIT_FAILURE
     except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except click.Abort:
         click.echo("Aborted.", err=True)
-        sys.exit(EXIT_FAILURE)
+        return EXIT_FAILURE
     except click.ClickException as exc:
         exc.show()
-        sys.exit(EXIT_USAGE if exc.exit_code == 2 else exc.exit_code)
+        return EXIT_USAGE if exc.exit_code == 2 else exc.exit_code
     except RunnerError as exc:
         click.echo(f"runner: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        return exc.exit_code
+    return 0
