@@ -2,14 +2,17 @@
 
 The fork gets its own run_id, a verified copy of the checkpoint (same payload bytes, same
 fingerprint: both branches start from identical weights) and the source's loss history up to
-that step, one line per step (the effective history, last line per step wins). Its manifest
-records where it came from in `extra.forked_from`.
+that step, one line per step (the effective history, last line per step wins). Steps the
+source's loss.jsonl lacks (a bucket holds none) come from the loss history inside the
+checkpoint, marked `restored_from` as a resume marks them. Its manifest records where it came
+from in `extra.forked_from`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -41,6 +44,8 @@ class ForkResult:
     run_id: str
     loss_steps: int
     skipped: list[tuple[int, str]]
+    loss_restored: int = 0
+    """Of `loss_steps`, how many came from the checkpoint's own loss history."""
 
 
 def fork_run(
@@ -74,8 +79,14 @@ def fork_run(
                 on_skip(candidate, str(exc))
     if committed is None:
         raise NoVerifiedCheckpointError(f"{src.uri}: no checkpoint verifies; nothing to fork")
-    loss_steps = _copy_loss_history(src, dst, upto=committed.step)
-    return ForkResult(checkpoint=committed, run_id=run_id, loss_steps=loss_steps, skipped=skipped)
+    loss_steps, restored = _copy_loss_history(src, dst, checkpoint=committed)
+    return ForkResult(
+        checkpoint=committed,
+        run_id=run_id,
+        loss_steps=loss_steps,
+        skipped=skipped,
+        loss_restored=restored,
+    )
 
 
 def _refuse_existing_run(dst: Path) -> None:
@@ -112,24 +123,77 @@ def _copy_checkpoint(src: Storage, step: int, *, writer: CheckpointWriter) -> Co
         raise IntegrityError(f"{src.uri}/{base}: a file listed in the manifest is missing") from exc
 
 
-def _copy_loss_history(src: Storage, dst: Path, *, upto: int) -> int:
-    """Write the effective loss history for steps <= upto; returns the number of steps."""
+def _copy_loss_history(
+    src: Storage, dst: Path, *, checkpoint: CommittedCheckpoint
+) -> tuple[int, int]:
+    """Write the effective loss history for steps <= the checkpoint's; returns the number of
+    steps written and how many of them came from the checkpoint (the source's loss.jsonl
+    lacked them)."""
     from runner.sidecars import LossLog
 
+    upto = checkpoint.step
     try:
         raw = src.get_bytes(LOSS_FILE)
     except StorageNotFoundError:
-        return 0
+        raw = b""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / LOSS_FILE).write_bytes(raw)
         entries = [e for e in LossLog(Path(tmp)).entries() if e.step <= upto]
-    lines = []
+    records: dict[int, dict[str, Any]] = {}
     for e in entries:
         record: dict[str, Any] = {"step": e.step, "loss": e.loss if e.loss == e.loss else None}
         if e.t is not None:
             record["t"] = e.t
         if e.attempt is not None:
             record["attempt"] = e.attempt
-        lines.append(json.dumps(record, separators=(",", ":")) + "\n")
+        records[e.step] = record
+    restored = 0
+    if any(step not in records for step in range(1, upto + 1)):
+        history = _checkpoint_loss_history(checkpoint)
+        source = f"checkpoint step {upto}"
+        for step, loss in enumerate(history[:upto], start=1):
+            if step not in records:
+                records[step] = _restored_record(step, loss, source=source)
+                restored += 1
+        if restored:
+            log.info("fork: %d loss entries restored from the checkpoint's history", restored)
+    if not records:
+        return 0, 0
+    lines = [json.dumps(records[s], separators=(",", ":")) + "\n" for s in sorted(records)]
     atomic_write_bytes(dst / LOSS_FILE, "".join(lines).encode())
-    return len(lines)
+    return len(lines), restored
+
+
+def _checkpoint_loss_history(checkpoint: CommittedCheckpoint) -> list[float]:
+    """The loss history the checkpoint's train state carries (steps 1..N); empty for a format
+    that holds none (seed-bin) or a payload that does not load."""
+    from runner.checkpoint.manifest import FORMAT_SHARDED, FORMAT_TORCH
+    from runner.checkpoint.reader import load_state
+
+    if checkpoint.manifest.format not in (FORMAT_TORCH, FORMAT_SHARDED):
+        log.info(
+            "fork: a %s checkpoint carries no loss history; the fork's %s has only what the "
+            "source logged",
+            checkpoint.manifest.format,
+            LOSS_FILE,
+        )
+        return []
+    try:
+        # copy_streams hashed every file against the manifest as it wrote it; mapped, not
+        # copied: only the loss list is wanted from a state that may be gigabytes
+        state = load_state(checkpoint.path, manifest=checkpoint.manifest, verified=True, mmap=True)
+    except RunnerError as exc:
+        log.warning("fork: the checkpoint's loss history cannot be read: %s", exc)
+        return []
+    history = state.get("loss_history") or []
+    return [float(x) for x in history]
+
+
+def _restored_record(step: int, loss: float, *, source: str) -> dict[str, Any]:
+    # the line LossLog.append writes for a loss rebuilt from a checkpoint (JSON has no NaN)
+    value = float(loss)
+    record: dict[str, Any] = {"step": step, "loss": value if math.isfinite(value) else None}
+    if not math.isfinite(value):
+        record["loss_repr"] = repr(value)
+    record["restored_from"] = source
+    return record
