@@ -33,7 +33,13 @@ from runner.checkpoint.reader import (
 )
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
-from runner.errors import EXIT_OK, EXIT_PREEMPTED, CheckpointWriteError, RunnerError
+from runner.errors import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    CheckpointWriteError,
+    RunnerError,
+)
 from runner.metrics import RunnerMetrics
 from runner.policy import SavePolicy
 from runner.preemption.stop import StopController
@@ -348,6 +354,20 @@ class TrainSession:
         if stopped:
             self._report_stop(elapsed)
         self.exit_code = EXIT_PREEMPTED if stopped else EXIT_OK
+        if not stopped and ckpt is not None and self.final_upload_landed is False:
+            assert self.mirror is not None  # final_upload_landed is only set with a mirror
+            log.error(
+                "the run finished at step %d but its final checkpoint is NOT in %s (%s); the "
+                "local copy in %s is complete: `runner push %s %s` once the store is "
+                "reachable. Exiting 1 so that a scheduler retries",
+                ckpt.step,
+                self.mirror.storage.uri,
+                self.mirror.last_error or "upload failed",
+                ckpt.path,
+                self.run_dir,
+                self.mirror.storage.uri,
+            )
+            self.exit_code = EXIT_FAILURE
         return self.exit_code
 
     def _report_stop(self, elapsed: float) -> None:

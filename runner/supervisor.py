@@ -32,7 +32,7 @@ from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
-from runner.errors import EXIT_OK, EXIT_PREEMPTED, ChildFailedError, ConfigError
+from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ChildFailedError, ConfigError
 from runner.preemption.stop import StopController
 from runner.sidecars import LossFollower, LossLog
 from runner.storage.file import FileStorage
@@ -225,9 +225,7 @@ class Supervisor:
         self._report_step()
         if code == EXIT_OK:
             log.info("trainer finished (exit 0)")
-            if self.mirror is not None and not self.mirror.wait_idle(self.config.grace_seconds):
-                log.error("uploads to the mirror did not finish; the mirror may lag the run dir")
-            return EXIT_OK
+            return self._finish_mirrored()
         if code == EXIT_PREEMPTED:
             log.warning("trainer exited 75 on its own (preempted); passing it on")
             return EXIT_PREEMPTED
@@ -275,6 +273,26 @@ class Supervisor:
             f"{left:.1f} s of grace left" if left is not None else "no deadline",
         )
         return time.monotonic()
+
+    def _finish_mirrored(self) -> int:
+        """After a successful run, 0 only when the newest checkpoint is in the mirror; else 1,
+        so a scheduler retries. `upload_now` finds an already uploaded checkpoint in place (one
+        request) and otherwise tries once more in the caller's time."""
+        newest = self.last_checkpoint
+        if self.mirror is None or newest is None:
+            return EXIT_OK
+        self.mirror.wait_idle(self.config.grace_seconds)
+        if self.mirror.upload_now(newest, deadline=time.monotonic() + self.config.grace_seconds):
+            return EXIT_OK
+        log.error(
+            "the trainer finished but checkpoint step %d is NOT in the mirror (errors above); "
+            "the local copy in %s is complete: `runner push %s MIRROR` once the store is "
+            "reachable. Exiting 1 so that a scheduler retries",
+            newest.step,
+            newest.path,
+            self.run_dir,
+        )
+        return EXIT_FAILURE
 
     def _finish_stop(self, code: int, stop_sent_at: float) -> int:
         took = time.monotonic() - stop_sent_at
