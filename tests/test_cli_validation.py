@@ -22,6 +22,7 @@ from runner.mirror import upload_checkpoint
 from runner.preemption.clouds import GcpPreemptedNotice, MetadataUnavailable
 from runner.storage import open_storage
 from tests.fixtures.ckpt import SaveCheckpoint
+from tests.fixtures.s3 import SeaweedS3
 
 TINY_DEMO = ("--device", "cpu", "--threads", "1", "--batch-size", "2", "--ckpt-every", "0")
 
@@ -222,6 +223,16 @@ def test_status_of_an_empty_existing_directory_is_no_checkpoints(tmp_path: Path)
     result = runner("status", f"file://{tmp_path}")
     assert result.returncode == EXIT_OK, result.stderr
     assert "no checkpoints" in result.stdout
+
+
+@pytest.mark.e2e
+def test_status_of_an_empty_s3_prefix_is_still_no_checkpoints(s3_server: SeaweedS3) -> None:
+    # a bucket prefix has no directory to be missing: empty means "not checkpointed yet"
+    location = f"s3://{s3_server.create_bucket()}/runs/not-started"
+    result = runner("status", location, "--json", env=s3_server.env())
+    assert result.returncode == EXIT_OK, result.stderr
+    (summary,) = json.loads(result.stdout)
+    assert summary["steps"] == [] and summary["newest"] is None
 
 
 # 5. pull never replaces a different verified checkpoint
