@@ -63,7 +63,7 @@ def close_mirror(mirror: Mirror, stop: StopController, *, grace_seconds: float) 
     """After a stop, wait for the mirror only until the stop's deadline (the request's own,
     else the grace period from when it arrived): an upload still retrying against a dead
     endpoint must not keep a preempted process alive past its notice. Whatever is left is
-    abandoned; runner.cli.exiting then exits without joining the threads stuck on it."""
+    abandoned; runner.exiting then exits without joining the threads stuck on it."""
     if not stop.stop_requested:
         mirror.close()
         return

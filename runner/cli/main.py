@@ -10,9 +10,9 @@ from typing import NoReturn
 import click
 
 from runner import __version__
-from runner.cli.exiting import exit_process
 from runner.cli.options import finite_float_type
 from runner.errors import EXIT_FAILURE, EXIT_USAGE, RunnerError
+from runner.exiting import exit_process
 
 # name -> "module:attribute"; importing lazily keeps `runner --help` fast (no torch import).
 COMMANDS: dict[str, str] = {

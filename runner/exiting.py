@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def exit_process(code: int) -> NoReturn:
     """Exit with `code`; if non-daemon threads are still running, do not wait for them.
-    Logs and standard streams are flushed first. Only for a process the CLI owns."""
+    Logs and standard streams are flushed first. Call it only where the process is yours to
+    end: the CLI's entry point, or the end of a training script."""
     stuck = [
         t.name
         for t in threading.enumerate()
