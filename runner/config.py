@@ -82,6 +82,9 @@ class RunConfig:
             raise ConfigError("--notice-poll-seconds must be > 0")
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
+        # torch.manual_seed's range; beyond it the seeding raises deep inside the job
+        if not -(1 << 63) <= self.seed < (1 << 64):
+            raise ConfigError(f"--seed must fit in 64 bits (got {self.seed})")
         if self.mirror is not None and not self.mirror.startswith(("s3://", "file:///")):
             raise ConfigError(
                 f"--mirror {self.mirror!r}: use s3://bucket/prefix or file:///absolute/path"

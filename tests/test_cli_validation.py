@@ -169,6 +169,20 @@ def test_other_step_options_reject_a_negative_step(
     assert_usage_error(result, "-1 is not in the range x>=0")
 
 
+def test_demo_rejects_a_seed_torch_cannot_take(tmp_path: Path) -> None:
+    result = runner("demo", "--run-dir", str(tmp_path / "run"), "--seed", str(1 << 64))
+    assert_usage_error(result, f"--seed must fit in 64 bits (got {1 << 64})")
+    assert not (tmp_path / "run").exists()
+
+
+def test_convert_rejects_negative_samples_seen(tmp_path: Path) -> None:
+    seed_bin = tmp_path / "step_000005.bin"
+    seed_bin.write_bytes((5).to_bytes(4, "little") + (1).to_bytes(4, "little") + bytes(12))
+    result = runner("convert", str(seed_bin), str(tmp_path / "run"), "--samples-seen", "-5")
+    assert_usage_error(result, "Invalid value for '--samples-seen'", "-5 is not in the range x>=0")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("threads", ["-2", "0"])
 def test_demo_rejects_a_thread_count_below_one(tmp_path: Path, threads: str) -> None:
     result = runner("demo", "--run-dir", str(tmp_path / "run"), "--threads", threads)

@@ -180,7 +180,12 @@ def inspect(path: Path, as_json: bool) -> None:
 @click.command()
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--samples-seen", type=int, default=0, help="Recorded when SRC is a seed .bin.")
+@click.option(
+    "--samples-seen",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Recorded when SRC is a seed .bin.",
+)
 @_json_option
 def convert(src: Path, dst: Path, samples_seen: int, as_json: bool) -> None:
     """Seed .bin <-> checkpoint directory.
