@@ -82,8 +82,9 @@ def test_sigterm_exits_by_the_deadline_when_the_mirror_stops_answering(
             proc.communicate()
 
     assert proc.returncode == 75, out[-3000:]
-    # the grace period, plus the step in progress and interpreter exit
-    assert took < GRACE_S + 3, f"exited {took:.1f}s after SIGTERM:\n{out[-3000:]}"
+    # the grace period, plus the step in progress and interpreter exit (without the bounded
+    # close and exit this took 26 s against 503s and minutes against a silent endpoint)
+    assert took < GRACE_S + 6, f"exited {took:.1f}s after SIGTERM:\n{out[-3000:]}"
     reached = max(LossLog(run_dir).read())
     assert checkpoint_steps(run_dir)[-1] == reached
     assert "local only (mirror upload did NOT land)" in out, out[-3000:]
