@@ -8,6 +8,7 @@ a read timeout times the retry count can outlast the notice period by minutes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -35,7 +36,9 @@ def exit_process(code: int) -> NoReturn:
         len(stuck),
         ", ".join(stuck[:5]),
     )
-    logging.shutdown()
+    # What a normal exit runs (user hooks, logging.shutdown) still runs; only the join of the
+    # stuck threads (threading's own shutdown step, not an atexit hook) is skipped.
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()

@@ -103,6 +103,7 @@ class TrainSession:
         )
         self.loss_log = LossLog(self.run_dir, attempt=config.writer_id)
         self.last_checkpoint: CommittedCheckpoint | None = None
+        self.resumed_checkpoint: CommittedCheckpoint | None = None
         self.resumed_from: int | None = None
         self.exit_code: int | None = None
         self.final_save_seconds: float | None = None
@@ -162,6 +163,9 @@ class TrainSession:
                 self.metrics.checkpoint_failed("restore")
             raise
         self.resumed_from = manifest.step
+        self.resumed_checkpoint = CommittedCheckpoint(
+            step=manifest.step, path=step_dir, manifest=manifest
+        )
         self.writer.run_id = manifest.run_id
         lost = self._steps_lost(counters.step)
         self.loss_log.mark_resume(counters.step)
@@ -173,15 +177,22 @@ class TrainSession:
                 self.config.steps,
             )
         self.policy = self._policy(start_step=counters.step)
+        created = created_at_unix(manifest.created_at) or time.time()
         if self.metrics is not None:
             self.metrics.resumed(steps_lost=lost)
             self.metrics.train_step(counters.step)
-            created = created_at_unix(manifest.created_at) or time.time()
             self.metrics.checkpoint_found(location="local", step=manifest.step, created_at=created)
-            if self.mirror is not None and self._mirror_holds(manifest.step):
-                self.metrics.checkpoint_found(
-                    location="remote", step=manifest.step, created_at=created
-                )
+        if self.mirror is not None:
+            if self._mirror_holds(manifest.step):
+                if self.metrics is not None:
+                    self.metrics.checkpoint_found(
+                        location="remote", step=manifest.step, created_at=created
+                    )
+            else:
+                # e.g. the previous attempt finished but could not upload: the local copy is
+                # the newest anywhere, so it goes up now rather than never
+                log.info("checkpoint step %d is not in the mirror yet: uploading it", manifest.step)
+                self.mirror.submit(self.resumed_checkpoint)
         log.info(
             "resumed from %s (step %d, %d samples seen%s)",
             step_dir,
@@ -345,6 +356,8 @@ class TrainSession:
             else:
                 ckpt = self.save(reason=reason)
         self.final_save_seconds = time.monotonic() - started
+        if ckpt is None:
+            ckpt = self.resumed_checkpoint  # nothing new: the one resumed from must be mirrored
         if self.mirror is not None and ckpt is not None:
             deadline = self.stop.deadline if stopped else None
             if stopped and deadline is None:

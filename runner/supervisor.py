@@ -189,6 +189,14 @@ class Supervisor:
         self.attempts += 1
         resume = find_resume(self.run_dir, resolve=self.resolve_resume, on_skip=self._skipped)
         self._report_resume(resume)
+        if resume is not None and (
+            self.last_checkpoint is None or self.last_checkpoint.step < resume.step
+        ):
+            # the newest checkpoint may predate this process (a retry after a failed upload):
+            # a finish or stop with nothing new written still makes sure it is in the mirror
+            self.last_checkpoint = CommittedCheckpoint(
+                step=resume.step, path=resume.step_dir, manifest=resume.manifest
+            )
         # Steps the last attempt logged past this checkpoint are lost: mark them superseded
         # in loss.jsonl, for trainers that keep one without knowing the marker rule.
         with LossLog(self.run_dir, attempt=f"{self.config.writer_id}/{self.attempts}") as losses:
@@ -281,8 +289,9 @@ class Supervisor:
         newest = self.last_checkpoint
         if self.mirror is None or newest is None:
             return EXIT_OK
-        self.mirror.wait_idle(self.config.grace_seconds)
-        if self.mirror.upload_now(newest, deadline=time.monotonic() + self.config.grace_seconds):
+        # no deadline on a normal finish: a large checkpoint on a slow link is not a failure
+        self.mirror.wait_idle(None)
+        if self.mirror.upload_now(newest, deadline=None):
             return EXIT_OK
         log.error(
             "the trainer finished but checkpoint step %d is NOT in the mirror (errors above); "

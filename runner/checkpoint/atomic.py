@@ -107,8 +107,8 @@ class HashingFileWriter:
             self._hash.update(view)
         self.size += view.nbytes
         if self.size - self._writeback_from >= WRITEBACK_EVERY:
-            # Bytes still in the BufferedWriter are simply not dirty yet; the next hint or
-            # the final fsync covers them.
+            # A few KiB may still sit in the BufferedWriter (large writes bypass it); they
+            # are not dirty yet, and the final fsync covers them.
             start_writeback(
                 self._file.fileno(), self._writeback_from, self.size - self._writeback_from
             )

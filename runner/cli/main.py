@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 def _run(argv: list[str] | None) -> int:
     try:
-        cli.main(args=argv, prog_name="runner", standalone_mode=False)
+        # without standalone mode click returns (not raises) the code of a ctx.exit(n)
+        returned = cli.main(args=argv, prog_name="runner", standalone_mode=False)
     except SystemExit as exc:  # a command's sys.exit(code)
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
@@ -116,4 +117,4 @@ def _run(argv: list[str] | None) -> int:
     except RunnerError as exc:
         click.echo(f"runner: error: {exc}", err=True)
         return exc.exit_code
-    return 0
+    return returned if isinstance(returned, int) else 0

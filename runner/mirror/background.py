@@ -96,6 +96,7 @@ class Mirror:
                 self._worker_step = ckpt.step
             try:
                 self._upload(ckpt)
+                self._prune(newest_ok=ckpt.step)
             except RunnerError:
                 pass  # already logged and counted; the next checkpoint tries again
             except Exception as exc:  # never let the worker die: training must go on
@@ -127,7 +128,8 @@ class Mirror:
         def work() -> None:
             try:
                 self._upload(ckpt)
-                outcome.append(True)
+                outcome.append(True)  # durable now: retention below is not part of the deadline
+                self._prune(newest_ok=ckpt.step)
             except RunnerError:
                 outcome.append(False)  # logged and recorded by _upload
             except Exception as exc:  # a bug or an unforeseen OS error: say which step
@@ -144,7 +146,7 @@ class Mirror:
         thread.start()
         thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         elapsed = time.monotonic() - started
-        if thread.is_alive():
+        if thread.is_alive() and not outcome:
             log.error(
                 "final checkpoint step %d did NOT reach %s before the deadline (%.1fs spent); "
                 "the next run resumes from the newest checkpoint already there",
@@ -194,7 +196,6 @@ class Mirror:
             self.last_error = None
         if self.metrics is not None:
             self.metrics.checkpoint_uploaded(step=ckpt.step, duration_s=duration)
-        self._prune(newest_ok=ckpt.step)
 
     def _prune(self, *, newest_ok: int) -> None:
         with self._cond:

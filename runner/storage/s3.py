@@ -434,7 +434,7 @@ class S3Storage:
                             ObjectInfo(
                                 key=key,
                                 size=int(obj["Size"]),
-                                modified=obj["LastModified"].timestamp(),
+                                modified=_timestamp(obj.get("LastModified")),
                             )
                         )
             return found
@@ -449,7 +449,7 @@ class S3Storage:
         return ObjectInfo(
             key=key,
             size=int(response["ContentLength"]),
-            modified=response["LastModified"].timestamp(),
+            modified=_timestamp(response.get("LastModified")),
         )
 
     def delete(self, key: str) -> None:
@@ -506,3 +506,8 @@ class _ClassifiedStream(io.RawIOBase):
         if not self.closed:
             self._body.close()
         super().close()
+
+
+def _timestamp(when: datetime | None) -> float | None:
+    """Some S3-compatible stores omit LastModified; unknown age is never "old enough"."""
+    return when.timestamp() if when is not None else None
