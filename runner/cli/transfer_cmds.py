@@ -139,7 +139,15 @@ def _refuse_to_replace_a_different_checkpoint(dest: Path, remote: Manifest, *, s
         local = verify_dir(local_dir)
     except IntegrityError:
         return
-    if local.fingerprint == remote.fingerprint:
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot check {local_dir} before pulling over it: {exc.strerror or exc}"
+        ) from exc
+    same_content = sorted((f.sha256, f.size) for f in local.files) == sorted(
+        (f.sha256, f.size) for f in remote.files
+    )
+    # an empty fingerprint (migrated v1 manifests) proves nothing; the payload hashes do
+    if same_content or (local.fingerprint and local.fingerprint == remote.fingerprint):
         return
     raise ConfigError(
         f"{local_dir} already holds a different checkpoint of step {remote.step} that "
