@@ -20,6 +20,7 @@ from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S, sweep_orphans
 from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import ConfigError, RunnerError, StorageConflictError
+from runner.exiting import note_abandoned_work
 from runner.mirror.resume import SkipCallback, resolve_resume
 from runner.mirror.upload import upload_checkpoint
 from runner.storage.base import ProgressCallback, Storage
@@ -155,6 +156,7 @@ class Mirror:
                 elapsed,
             )
             self._failed(ckpt.step, "deadline passed")
+            note_abandoned_work()  # its transfer threads must not hold the process's exit
             return False
         if not outcome or not outcome[0]:
             log.error(
@@ -233,7 +235,7 @@ class Mirror:
         (`upload_now` blocks its caller, so it is never waited for here.)"""
         return self._wait(lambda: self._pending is None and self._worker_step is None, timeout)
 
-    def close(self, *, timeout: float | None = None) -> None:
+    def close(self, *, timeout: float | None = None) -> bool:
         """Finish what is queued, then stop the worker. Uploads older than a checkpoint that
         already landed (e.g. a periodic one overtaken by the final upload) are not waited
         for: at shutdown the grace period belongs to the newest checkpoint."""
@@ -255,6 +257,7 @@ class Mirror:
             self._closing = True
             idle = self._worker_step is None
             if not finished:
+                note_abandoned_work()
                 left = sorted(self._active | ({self._pending.step} if self._pending else set()))
                 log.error(
                     "mirror: abandoning upload of step(s) %s to %s: out of time (%.1fs); what "
@@ -267,6 +270,7 @@ class Mirror:
             self._cond.notify_all()
         if self._worker is not None and idle:
             self._worker.join(timeout)
+        return finished
 
     def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
