@@ -41,10 +41,11 @@ class FileStorage:
         except RunnerError:
             raise
         except OSError as exc:
-            raise StorageError(
-                f"{self.uri}/{key}: cannot {action}: {exc.strerror or exc}"
-                f"{f' ({exc.filename})' if exc.filename else ''}"
-            ) from exc
+            raise self._storage_error(action, key, exc) from exc
+
+    def _storage_error(self, action: str, key: str, exc: OSError) -> StorageError:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return StorageError(f"{self.uri}/{key}: cannot {action}: {exc.strerror or exc}{where}")
 
     def put_file(
         self,
@@ -55,55 +56,42 @@ class FileStorage:
         progress: ProgressCallback | None = None,
     ) -> None:
         with self._os_errors("write", key):
-            self._put_file(key, src, sha256=sha256, progress=progress)
-
-    def _put_file(
-        self,
-        key: str,
-        src: Path,
-        *,
-        sha256: str | None,
-        progress: ProgressCallback | None,
-    ) -> None:
-        dst = self._path(key)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        with open(src, "rb") as f, HashingFileWriter(dst) as writer:
-            for chunk in read_chunks(f):
-                writer.write(chunk)
-                if progress:
-                    progress(len(chunk))
-            if sha256 is not None and writer.digest_so_far() != sha256:
-                raise IntegrityError(
-                    f"{src} changed while copying to {self.uri}/{key}: sha256 mismatch"
-                )
-            writer.commit()
+            dst = self._path(key)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with open(src, "rb") as f, HashingFileWriter(dst) as writer:
+                for chunk in read_chunks(f):
+                    writer.write(chunk)
+                    if progress:
+                        progress(len(chunk))
+                if sha256 is not None and writer.digest_so_far() != sha256:
+                    raise IntegrityError(
+                        f"{src} changed while copying to {self.uri}/{key}: sha256 mismatch"
+                    )
+                writer.commit()
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         with self._os_errors("write", key):
-            self._put_bytes(key, data, if_absent=if_absent)
-
-    def _put_bytes(self, key: str, data: bytes, *, if_absent: bool) -> None:
-        dst = self._path(key)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if not if_absent:
-            with HashingFileWriter(dst) as writer:
-                writer.write(data)
-                writer.commit()
-            return
-        # create-only: link() refuses an existing name atomically, unlike rename()
-        temp = temp_path_for(dst)
-        try:
-            with open(temp, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            dst = self._path(key)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if not if_absent:
+                with HashingFileWriter(dst) as writer:
+                    writer.write(data)
+                    writer.commit()
+                return
+            # create-only: link() refuses an existing name atomically, unlike rename()
+            temp = temp_path_for(dst)
             try:
-                os.link(temp, dst)
-            except FileExistsError as exc:
-                raise StorageConflictError(f"{self.uri}/{key} already exists") from exc
-            fsync_dir(dst.parent)
-        finally:
-            temp.unlink(missing_ok=True)
+                with open(temp, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(temp, dst)
+                except FileExistsError as exc:
+                    raise StorageConflictError(f"{self.uri}/{key} already exists") from exc
+                fsync_dir(dst.parent)
+            finally:
+                temp.unlink(missing_ok=True)
 
     def get_file(
         self,
@@ -175,7 +163,7 @@ class FileStorage:
         except IsADirectoryError:
             shutil.rmtree(path, ignore_errors=True)
         except OSError as exc:
-            raise StorageError(f"{self.uri}/{key}: cannot delete: {exc.strerror or exc}") from exc
+            raise self._storage_error("delete", key, exc) from exc
         # drop directories left empty, up to the root
         parent = path.parent
         while parent != self.root and parent.is_relative_to(self.root):
