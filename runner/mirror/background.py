@@ -27,6 +27,8 @@ from runner.storage.base import ProgressCallback, Storage
 
 log = logging.getLogger(__name__)
 
+ORPHAN_SWEEP_EVERY_S = 3600.0
+
 
 class MirrorMetrics(Protocol):
     """What the mirror reports (runner.metrics.RunnerMetrics implements it)."""
@@ -56,6 +58,7 @@ class Mirror:
         self._active: set[int] = set()  # steps being uploaded right now (worker or final)
         self._worker_step: int | None = None  # what the background thread is uploading
         self._closing = False
+        self._last_sweep: float | None = None  # monotonic; only the uploading threads use it
         self._worker: threading.Thread | None = None
         self.last_uploaded: int | None = None
         self.last_error: str | None = None
@@ -204,7 +207,12 @@ class Mirror:
             protect = set(self._active)
         try:
             prune(self.storage, keep=self.keep, protect=protect | {newest_ok}, newest_ok=newest_ok)
-            sweep_orphans(self.storage, older_than_s=ORPHAN_MIN_AGE_S, protect=protect)
+            # debris only matters once a day old: one listing and a manifest read per step an
+            # hour is enough, not after every upload
+            now = time.monotonic()
+            if self._last_sweep is None or now - self._last_sweep >= ORPHAN_SWEEP_EVERY_S:
+                self._last_sweep = now
+                sweep_orphans(self.storage, older_than_s=ORPHAN_MIN_AGE_S, protect=protect)
         except RunnerError as exc:  # retention failing must not fail the upload
             log.warning("mirror: pruning %s failed: %s", self.storage.uri, exc)
 
@@ -235,7 +243,7 @@ class Mirror:
         (`upload_now` blocks its caller, so it is never waited for here.)"""
         return self._wait(lambda: self._pending is None and self._worker_step is None, timeout)
 
-    def close(self, *, timeout: float | None = None) -> bool:
+    def close(self, *, timeout: float | None = None) -> None:
         """Finish what is queued, then stop the worker. Uploads older than a checkpoint that
         already landed (e.g. a periodic one overtaken by the final upload) are not waited
         for: at shutdown the grace period belongs to the newest checkpoint."""
@@ -270,7 +278,6 @@ class Mirror:
             self._cond.notify_all()
         if self._worker is not None and idle:
             self._worker.join(timeout)
-        return finished
 
     def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runner.checkpoint.layout import checkpoint_key
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+from runner.checkpoint.reader import list_checkpoints, verify_dir
 from runner.errors import IntegrityError, RunnerError, StorageNotFoundError
 from runner.mirror.download import download_checkpoint
 from runner.storage.base import ProgressCallback, Storage
@@ -35,15 +35,15 @@ def resolve_resume(
     A mirror that cannot be reached raises (after retries) rather than falling back: starting
     from scratch because the bucket was briefly unreachable would silently throw work away."""
     run_dir = Path(run_dir)
-    local = FileStorage(run_dir)
-    local_steps = set(list_checkpoints(local))
+    local_steps = set(list_checkpoints(FileStorage(run_dir)))
     remote_steps = set(list_checkpoints(mirror)) if mirror is not None else set()
     # Newest first over both places; each candidate is hashed once (a local one in place, a
     # remote one as it downloads), and nothing older than the chosen one is touched.
     for step in sorted(local_steps | remote_steps, reverse=True):
         if step in local_steps:
             try:
-                verify_checkpoint(local, step)
+                # the local-directory check: symlinks resolved, files hashed in parallel
+                verify_dir(run_dir / checkpoint_key(step))
             except RunnerError as exc:
                 _skip(on_skip, step, f"local: {exc}")
             else:
