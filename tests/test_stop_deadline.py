@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,10 @@ pytestmark = pytest.mark.e2e
 GRACE_S = 4.0
 
 
-def wait_until(what: str, proc: subprocess.Popen[str], check: object) -> None:
+def wait_until(what: str, proc: subprocess.Popen[str], check: Callable[[], object]) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
+        if check():
             return
         if proc.poll() is not None:
             pytest.fail(f"demo exited {proc.returncode} before {what}: {proc.communicate()[0]}")
