@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,13 +16,7 @@ from runner.errors import ConfigError
 CORPUS_SHA256 = "6c828e43cf44072151cbe0c5443426a8d9257dd007c76c02bdc0715fb96dec8d"
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny models: one intra-op thread is fastest, and far faster when the CPU is shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_corpus_is_the_same_bytes_everywhere() -> None:

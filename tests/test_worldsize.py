@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from runner.demo.components import DemoComponents, build_demo
 from runner.errors import ConfigError
@@ -16,13 +14,7 @@ from runner.worldsize import position_from_samples_seen, rescale_counters, resca
 SETTINGS = {"seed": 1, "device": "cpu", "batch_size": 4, "total_steps": 40, "max_samples": 40}
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny models: one intra-op thread is fastest, and far faster when the CPU is shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _demo(*, world_size: int = 1, rank: int = 0) -> DemoComponents:
