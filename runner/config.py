@@ -49,6 +49,9 @@ class RunConfig:
     max_restarts: int = 3
     """Supervisor: crashes restarted with backoff before giving up."""
     seed: int = 0
+    fresh_start: bool = False
+    """Only when checkpoints exist and none can be used: set them aside (kept) and start at
+    step 0 instead of refusing (exit 3). Never discards a usable checkpoint."""
     device: str = "auto"
     writer_id: str = field(default_factory=default_writer_id)
 

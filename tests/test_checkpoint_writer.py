@@ -18,8 +18,8 @@ from runner.checkpoint import atomic
 from runner.checkpoint.atomic import PARALLEL_HASH_MIN, HashingFileWriter
 from runner.checkpoint.reader import load_state, verify_dir
 from runner.checkpoint.writer import CheckpointWriter
-from runner.errors import IntegrityError
-from tests.fixtures.ckpt import meta_for, state_fingerprint, tiny_train_state
+from runner.errors import CheckpointConflictError, IntegrityError
+from tests.fixtures.ckpt import meta_for, state_fingerprint, tiny_train_state, tree_hashes
 
 
 def _writer(tmp_path: Path, **kwargs: object) -> CheckpointWriter:
@@ -111,22 +111,32 @@ def test_same_step_same_state_keeps_the_existing_checkpoint(tmp_path: Path) -> N
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000002"]
 
 
-def test_same_step_other_state_replaces_it_and_leaves_no_debris(tmp_path: Path) -> None:
+def test_same_step_other_state_never_replaces_a_verified_checkpoint(tmp_path: Path) -> None:
     a, b = tiny_train_state(seed=1, steps=2), tiny_train_state(seed=2, steps=2)
-    _writer(tmp_path).write_state(a, meta=meta_for(a, fingerprint=state_fingerprint(a)))
-    ckpt = _writer(tmp_path).write_state(b, meta=meta_for(b, fingerprint=state_fingerprint(b)))
-    assert verify_dir(ckpt.path).fingerprint == state_fingerprint(b)
-    assert state_fingerprint(load_state(ckpt.path)) == state_fingerprint(b)
+    first = _writer(tmp_path).write_state(a, meta=meta_for(a, fingerprint=state_fingerprint(a)))
+    before = tree_hashes(first.path)
+    with pytest.raises(CheckpointConflictError, match="never replaced") as caught:
+        _writer(tmp_path).write_state(b, meta=meta_for(b, fingerprint=state_fingerprint(b)))
+    assert tree_hashes(first.path) == before  # the verified checkpoint is untouched
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000002"]
+    # the save that lost is not thrown away either: it is kept aside, complete
+    (kept,) = (tmp_path / "aside").iterdir()
+    assert kept.name.startswith("step_000002-") and kept.name.endswith("-not-committed")
+    assert str(kept) in str(caught.value)
+    assert verify_dir(kept).fingerprint == state_fingerprint(b)
 
 
-def test_corrupt_existing_step_is_replaced_even_with_same_fingerprint(tmp_path: Path) -> None:
+def test_corrupt_existing_step_is_set_aside_not_deleted(tmp_path: Path) -> None:
     state = tiny_train_state(steps=2)
     meta = meta_for(state, fingerprint=state_fingerprint(state))
     ckpt = _writer(tmp_path).write_state(state, meta=meta)
     (ckpt.path / "state.pt").write_bytes(b"garbage")
+    corrupt = tree_hashes(ckpt.path)
     _writer(tmp_path).write_state(state, meta=meta)
     assert verify_dir(ckpt.path).fingerprint == meta.fingerprint
+    (aside,) = (tmp_path / "aside").iterdir()
+    assert aside.name.startswith("step_000002-") and aside.name.endswith("-corrupt")
+    assert tree_hashes(aside) == corrupt
 
 
 def test_failed_save_leaves_previous_checkpoint_and_no_temp(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from runner.checkpoint.aside import protected_keys
 from runner.checkpoint.layout import CHECKPOINTS_DIR, checkpoint_key, manifest_key, parse_step_dir
 from runner.checkpoint.reader import read_manifest
 from runner.errors import RunnerError
@@ -55,6 +56,7 @@ def find_orphans(
         step for step, infos in by_step.items() if any(i.key == manifest_key(step) for i in infos)
     }
     newest = max(committed, default=None)
+    kept = protected_keys(storage)  # the payload of a checkpoint set aside as foreign
     cutoff = (time.time() if now is None else now) - older_than_s
     orphans: list[ObjectInfo] = []
     for step, infos in sorted(by_step.items()):
@@ -75,7 +77,10 @@ def find_orphans(
         orphans += [
             info
             for info in infos
-            if info.key not in named and info.modified is not None and info.modified <= cutoff
+            if info.key not in named
+            and info.key not in kept
+            and info.modified is not None
+            and info.modified <= cutoff
         ]
     return orphans
 

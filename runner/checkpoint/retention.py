@@ -1,4 +1,4 @@
-"""Keep the newest K checkpoints; never delete the newest one that verifies.
+"""Keep the newest K usable checkpoints; never delete one that might be the last good one.
 
 K >= 2 because the newest may still be in flight (being mirrored, or not yet verified). Deleting
 removes the manifest first, so a checkpoint stops existing before any of its files go: a crash
@@ -12,10 +12,21 @@ import os
 import shutil
 from uuid import uuid4
 
+from runner.checkpoint.aside import protected_keys
 from runner.checkpoint.atomic import fsync_dir
 from runner.checkpoint.layout import TMP_PREFIX, checkpoint_key, manifest_key
-from runner.checkpoint.reader import list_checkpoints, newest_verified
-from runner.errors import ConfigError
+from runner.checkpoint.reader import (
+    list_checkpoints,
+    read_manifest,
+    verify_dir,
+)
+from runner.errors import (
+    ConfigError,
+    IntegrityError,
+    RunnerError,
+    SchemaError,
+    StorageNotFoundError,
+)
 from runner.storage.base import Storage
 from runner.storage.file import FileStorage
 
@@ -30,32 +41,91 @@ def prune(
     keep: int,
     protect: set[int] | frozenset[int] = frozenset(),
     newest_ok: int | None = None,
+    known_good: set[int] | None = None,
 ) -> list[int]:
-    """Delete all but the newest `keep` checkpoints, sparing `protect` and the newest one that
-    verifies (pass `newest_ok` when the caller already knows it, to skip re-hashing).
-    Returns the deleted steps."""
+    """Keep the newest `keep` checkpoints that are usable; delete older ones. Returns the
+    deleted steps.
+
+    A checkpoint that fails its check is never counted among the K kept, and one newer than
+    the K-th kept is left alone (a heal may still replace it). One of a schema this runner
+    cannot read is never deleted at all (it may be good for another version), nor is any step
+    in `protect`. How "usable" is checked: steps in `known_good` (and `newest_ok`) are taken
+    as good, e.g. what this process committed or uploaded itself; in a run dir every other
+    candidate is hashed (`verify_dir`); in a mirror its manifest is read and every file's size
+    compared (hashing a remote copy means downloading it). Steps found good are added to
+    `known_good`, so a caller that keeps the set hashes each checkpoint once."""
     if keep < MIN_KEEP:
         raise ConfigError(
             f"--keep must be >= {MIN_KEEP} (got {keep}): the newest checkpoint may still be in "
             "flight, and the newest verified one must survive"
         )
+    good = known_good if known_good is not None else set()
+    if newest_ok is not None:
+        good.add(newest_ok)
     steps = list_checkpoints(storage)
-    candidates = steps[:-keep]
-    if not candidates:
+    if len(steps) <= keep:
         return []
-    if newest_ok is None:
-        manifest = newest_verified(storage)
-        newest_ok = manifest.step if manifest is not None else None
-    spared = set(protect) | ({newest_ok} if newest_ok is not None else set())
+    counted = 0
     deleted = []
-    for step in candidates:
-        if step in spared:
+    for step in reversed(steps):
+        if counted < keep:
+            if step in good or _usable(storage, step):
+                good.add(step)
+                counted += 1
+            continue
+        if step in protect or _foreign(storage, step):
             continue
         delete_checkpoint(storage, step)
+        good.discard(step)
         deleted.append(step)
     if deleted:
         log.info("pruned checkpoints %s from %s", deleted, storage.uri)
     return deleted
+
+
+def _usable(storage: Storage, step: int) -> bool:
+    try:
+        if isinstance(storage, FileStorage):
+            verify_dir(storage.root / checkpoint_key(step))
+        else:
+            check_remote_sizes(storage, step)
+    except RunnerError as exc:
+        log.warning(
+            "retention: checkpoint step %d at %s is not counted as kept: %s",
+            step,
+            storage.uri,
+            exc,
+        )
+        return False
+    return True
+
+
+def check_remote_sizes(storage: Storage, step: int) -> None:
+    """The cheap check of a mirror's checkpoint: its manifest parses and every file it lists
+    is there at the listed size (IntegrityError otherwise)."""
+    manifest = read_manifest(storage, step)
+    base = checkpoint_key(step)
+    for entry in manifest.files:
+        try:
+            size = storage.head(f"{base}/{entry.path}").size
+        except StorageNotFoundError as exc:
+            raise IntegrityError(f"{storage.uri}/{base}/{entry.path}: missing") from exc
+        if size != entry.size:
+            raise IntegrityError(
+                f"{storage.uri}/{base}/{entry.path}: size {size} != {entry.size} in the manifest"
+            )
+
+
+def _foreign(storage: Storage, step: int) -> bool:
+    """True when the step's manifest is of a schema this runner cannot read."""
+    try:
+        read_manifest(storage, step)
+    except SchemaError as exc:
+        log.warning("retention: leaving step %d at %s alone: %s", step, storage.uri, exc)
+        return True
+    except RunnerError:
+        return False
+    return False
 
 
 def delete_checkpoint(storage: Storage, step: int) -> None:
@@ -76,5 +146,7 @@ def delete_checkpoint(storage: Storage, step: int) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         return
     storage.delete(manifest_key(step))
+    kept = protected_keys(storage)  # payload of a checkpoint set aside as foreign
     for info in list(storage.list(f"{checkpoint_key(step)}/")):
-        storage.delete(info.key)
+        if info.key not in kept:
+            storage.delete(info.key)

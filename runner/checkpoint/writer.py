@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, NoReturn, cast
 
+from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.atomic import (
     HashingFileWriter,
     fsync_dir,
@@ -35,7 +36,13 @@ from runner.checkpoint.layout import MANIFEST_NAME, TMP_PREFIX, parse_step_dir, 
 from runner.checkpoint.manifest import FORMAT_SHARDED, FORMAT_TORCH, FileEntry, Manifest
 from runner.checkpoint.payload import with_schema
 from runner.checkpoint.reader import STATE_FILE, verify_dir
-from runner.errors import ConfigError, IntegrityError, RunnerError
+from runner.errors import (
+    CheckpointConflictError,
+    ConfigError,
+    IntegrityError,
+    RunnerError,
+    SchemaError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -297,10 +304,11 @@ class CheckpointWriter:
     def _publish(self, staged: Path, final: Path, manifest: Manifest) -> Manifest:
         """Rename the staged dir to its final name, handling an existing checkpoint there.
 
-        Same fingerprint and it verifies: keep the old one, discard ours. Otherwise the old
-        one is renamed aside first (rename cannot replace a non-empty dir), ours renamed in,
-        then the old one deleted: a good checkpoint is never deleted before its successor is
-        in place."""
+        A checkpoint that verifies is never replaced: holding the same state (equal
+        fingerprint), ours is a duplicate and discarded; holding another state, or of a
+        schema this runner cannot read, it stays and ours is set aside (CheckpointConflictError).
+        Only one that fails verification is replaced, and it is set aside first (rename
+        cannot replace a non-empty dir), never deleted."""
         for _ in range(3):  # a concurrent writer of the same step may win a race
             try:
                 os.rename(staged, final)
@@ -310,23 +318,47 @@ class CheckpointWriter:
             else:
                 fsync_dir(self.ckpt_dir)
                 return manifest
-            existing = _same_and_valid(final, manifest)
-            if existing is not None:
+            try:
+                existing = verify_dir(final)
+            except SchemaError as exc:
+                self._refuse(staged, final, f"it is of a kind this runner does not read ({exc})")
+            except IntegrityError as exc:
+                try:
+                    aside = set_aside_local(self.ckpt_dir.parent, final, reason=CORRUPT)
+                except FileNotFoundError:
+                    continue
+                os.rename(staged, final)
+                fsync_dir(self.ckpt_dir)
+                log.warning(
+                    "replaced %s, which failed verification (%s), with a new save; the corrupt "
+                    "copy is kept as %s",
+                    final,
+                    exc,
+                    aside,
+                )
+                return manifest
+            if existing.fingerprint and existing.fingerprint == manifest.fingerprint:
                 log.info("%s already holds this state; discarding the duplicate", final)
                 return existing
-            aside = final.with_name(
-                f"{TMP_PREFIX}{final.name}-{os.getpid()}-replaced-{uuid.uuid4().hex[:8]}"
+            self._refuse(
+                staged,
+                final,
+                f"it verifies and holds another state (fingerprint "
+                f"{existing.fingerprint[:12] or '(none)'}, this save "
+                f"{manifest.fingerprint[:12] or '(none)'})",
             )
-            try:
-                os.rename(final, aside)
-            except FileNotFoundError:
-                continue
-            os.rename(staged, final)
-            fsync_dir(self.ckpt_dir)
-            log.warning("replaced %s (different or corrupt state) with a new save", final)
-            shutil.rmtree(aside, ignore_errors=True)
-            return manifest
         raise RunnerError(f"could not commit {final}: another writer keeps replacing it")
+
+    def _refuse(self, staged: Path, final: Path, why: str) -> NoReturn:
+        kept = set_aside_local(
+            self.ckpt_dir.parent, staged, reason="not-committed", name=final.name
+        )
+        raise CheckpointConflictError(
+            f"{final} already exists and {why}: a checkpoint that verifies is never replaced. "
+            f"This save was not committed; it is kept as {kept}. Two runs may be writing "
+            "this run dir, or the run resumed from an older step than it should: check "
+            "`runner ls --verify` and use another --run-dir for a new run"
+        )
 
 
 class _ZipCrc32Off:
@@ -359,16 +391,6 @@ class _ZipCrc32Off:
 
 
 _without_zip_crc32 = _ZipCrc32Off()
-
-
-def _same_and_valid(existing: Path, manifest: Manifest) -> Manifest | None:
-    """The existing checkpoint's manifest if it verifies and holds the same state."""
-    try:
-        old = verify_dir(existing)
-    except IntegrityError:
-        return None
-    same = bool(old.fingerprint) and old.fingerprint == manifest.fingerprint
-    return old if same else None
 
 
 def _owner_pid(name: str) -> int | None:

@@ -152,6 +152,17 @@ STEP = click.IntRange(min=0)
 """A checkpoint step (`--step N`): step 0 is the state before the first update."""
 
 seed = _opt("--seed", env="RUNNER_SEED", type=int, default=0, help="Random seed of the run.")
+fresh_start = _opt(
+    "--fresh-start",
+    env="RUNNER_FRESH_START",
+    is_flag=True,
+    default=False,
+    help=(
+        "When checkpoints exist but none can be resumed from, move them to RUN_DIR/aside/ "
+        "(kept) and start at step 0 instead of refusing with exit 3. Ignored while a usable "
+        "checkpoint exists."
+    ),
+)
 json_output = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
@@ -171,6 +182,7 @@ def run_options(func: F) -> F:
             notice_poll_seconds,
             notice_endpoint,
             seed,
+            fresh_start,
         ]
     ):
         func = decorator(func)

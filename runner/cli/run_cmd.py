@@ -39,6 +39,7 @@ def run(
     notice_poll_seconds: float,
     notice_endpoint: str | None,
     seed: int,
+    fresh_start: bool,
     max_restarts: int,
     restart_backoff: float,
 ) -> None:
@@ -68,6 +69,7 @@ def run(
         notice_endpoint=notice_endpoint,
         max_restarts=max_restarts,
         seed=seed,
+        fresh_start=fresh_start,
     )
     if restart_backoff < 0:
         from runner.errors import ConfigError
@@ -113,11 +115,12 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
 def _resolver(
     config: RunConfig, mirror: Mirror | None
 ) -> Callable[[Path, Callable[[int, str], None] | None], Path | None] | None:
-    """resolve_resume over local ∪ the mirror, for --mirror; None without one."""
+    """resolve_resume over local ∪ the mirror, for --mirror; None without one (the
+    supervisor then resolves over the run dir alone)."""
     if mirror is None:
         return None
 
     def resolve(run_dir: Path, on_skip: Callable[[int, str], None] | None) -> Path | None:
-        return mirror.resolve_resume(run_dir, on_skip=on_skip)
+        return mirror.resolve_resume(run_dir, on_skip=on_skip, fresh_start=config.fresh_start)
 
     return resolve

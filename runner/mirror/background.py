@@ -21,7 +21,7 @@ from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import ConfigError, RunnerError, StorageConflictError
 from runner.exiting import note_abandoned_work
-from runner.mirror.resume import SkipCallback, resolve_resume
+from runner.mirror.resume import LoadFn, ResumeChoice, SkipCallback, choose_resume
 from runner.mirror.upload import upload_checkpoint
 from runner.storage.base import ProgressCallback, Storage
 
@@ -61,6 +61,10 @@ class Mirror:
         self._last_sweep: float | None = None  # monotonic; only the uploading threads use it
         self._worker: threading.Thread | None = None
         self.last_uploaded: int | None = None
+        # steps this mirror uploaded (each file checked) or found good: retention trusts them
+        self._known_good: set[int] = set()
+        # steps whose copy in the mirror failed verification at resume: checked on upload
+        self._suspect: set[int] = set()
         self.last_error: str | None = None
 
     # -- background uploads --------------------------------------------------------------
@@ -184,7 +188,12 @@ class Mirror:
     def _upload(self, ckpt: CommittedCheckpoint) -> None:
         started = time.monotonic()
         try:
-            upload_checkpoint(self.storage, ckpt.path, writer_id=self.writer_id)
+            upload_checkpoint(
+                self.storage,
+                ckpt.path,
+                writer_id=self.writer_id,
+                verify_existing=ckpt.step in self._suspect,
+            )
         except StorageConflictError as exc:
             log.warning("mirror: %s", exc)
             self._failed(ckpt.step, str(exc))
@@ -199,6 +208,8 @@ class Mirror:
         with self._cond:
             self.last_uploaded = max(self.last_uploaded or -1, ckpt.step)
             self.last_error = None
+            self._suspect.discard(ckpt.step)
+            self._known_good.add(ckpt.step)
         if self.metrics is not None:
             self.metrics.checkpoint_uploaded(step=ckpt.step, duration_s=duration)
 
@@ -206,7 +217,13 @@ class Mirror:
         with self._cond:
             protect = set(self._active)
         try:
-            prune(self.storage, keep=self.keep, protect=protect | {newest_ok}, newest_ok=newest_ok)
+            prune(
+                self.storage,
+                keep=self.keep,
+                protect=protect | {newest_ok},
+                newest_ok=newest_ok,
+                known_good=self._known_good,
+            )
             # debris only matters once a day old: one listing and a manifest read per step an
             # hour is enough, not after every upload
             now = time.monotonic()
@@ -228,15 +245,46 @@ class Mirror:
             pending = {self._pending.step} if self._pending is not None else set()
             return pending | self._active
 
+    def choose_resume(
+        self,
+        run_dir: Path,
+        *,
+        load: LoadFn | None = None,
+        on_skip: SkipCallback | None = None,
+        progress: ProgressCallback | None = None,
+        fresh_start: bool = False,
+    ) -> ResumeChoice | None:
+        """`choose_resume` over the run dir and this mirror's storage. A step of the mirror
+        found corrupt on the way is remembered: uploading that step again checks the copy
+        already there and replaces it when it is bad (a heal), even when its manifest
+        matches the new save."""
+        choice = choose_resume(
+            run_dir,
+            self.storage,
+            load=load,
+            on_skip=on_skip,
+            progress=progress,
+            fresh_start=fresh_start,
+        )
+        if choice is not None:
+            with self._cond:
+                self._suspect |= {r.step for r in choice.refused if r.remote is not None}
+                self._known_good.add(choice.manifest.step)
+        return choice
+
     def resolve_resume(
         self,
         run_dir: Path,
         *,
         on_skip: SkipCallback | None = None,
         progress: ProgressCallback | None = None,
+        fresh_start: bool = False,
     ) -> Path | None:
-        """`resolve_resume` over the run dir and this mirror's storage."""
-        return resolve_resume(run_dir, self.storage, on_skip=on_skip, progress=progress)
+        """The local directory of the checkpoint `choose_resume` picks (verified, not loaded)."""
+        choice = self.choose_resume(
+            run_dir, on_skip=on_skip, progress=progress, fresh_start=fresh_start
+        )
+        return choice.step_dir if choice is not None else None
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the background queue is empty and its thread idle; False on timeout.

@@ -1,21 +1,148 @@
-"""Where to resume from: the newest checkpoint that verifies, local or in the mirror."""
+"""Where to resume from: the newest checkpoint that verifies (and loads), local or in the
+mirror — or a refusal to start at all.
+
+Resume or refuse: when a run dir or its mirror holds checkpoints and none of them can be
+used, starting again at step 0 would, step by step, replace the history a user may need (a
+rolling downgrade, a torch upgrade, a damaged disk). So training refuses (exit 3) with the
+list of every checkpoint and why it was refused, and writes nothing. `fresh_start` is the
+explicit way past that: the unusable checkpoints are set aside (runner.checkpoint.aside),
+never deleted, and training starts at step 0. It only acts when nothing usable exists: a
+setting left on in a deploy file never discards a good checkpoint.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from runner.checkpoint.layout import checkpoint_key
-from runner.checkpoint.reader import list_checkpoints, verify_dir
-from runner.errors import IntegrityError, RunnerError, StorageNotFoundError
+from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote, set_aside_local
+from runner.checkpoint.layout import CHECKPOINTS_DIR, parse_seed_bin, parse_step_dir
+from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.reader import list_checkpoints, read_manifest_dir, verify_dir
+from runner.errors import (
+    CheckpointConflictError,
+    IntegrityError,
+    RunnerError,
+    SchemaError,
+    StorageNotFoundError,
+    UnusableCheckpointsError,
+)
 from runner.mirror.download import download_checkpoint
 from runner.storage.base import ProgressCallback, Storage
-from runner.storage.file import FileStorage
 
 log = logging.getLogger(__name__)
 
 SkipCallback = Callable[[int, str], None]
+# Deserialise (and check) a verified local checkpoint; raises RunnerError when it cannot.
+LoadFn = Callable[[Path, Manifest], Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refusal:
+    """One checkpoint that cannot be resumed from, and why."""
+
+    step: int
+    where: str
+    """The local path or the mirror URI."""
+    why: str
+    foreign: bool
+    """Of a schema or format this runner does not read, or verified but not loadable:
+    possibly good for another version, so set aside as protected."""
+    local_path: Path | None = None
+    """Set for a local checkpoint (a step directory or a seed file)."""
+    remote: Storage | None = None
+    """Set for a checkpoint in the mirror."""
+
+
+@dataclass(kw_only=True)
+class ResumeChoice:
+    step_dir: Path
+    manifest: Manifest
+    loaded: Any = None
+    """What `load` returned (e.g. the train-state dict); None without a `load`."""
+    refused: list[Refusal] = field(default_factory=list)
+    """Newer checkpoints that were skipped on the way to this one."""
+
+
+def choose_resume(
+    run_dir: Path,
+    mirror: Storage | None,
+    *,
+    load: LoadFn | None = None,
+    on_skip: SkipCallback | None = None,
+    progress: ProgressCallback | None = None,
+    fresh_start: bool = False,
+) -> ResumeChoice | None:
+    """The newest checkpoint that verifies (and that `load` accepts), taken from the run dir
+    or, when the mirror has a newer one, downloaded (and verified as it arrives) from it.
+    Each checkpoint skipped goes to `on_skip(step, why)` and the next older one is tried;
+    each is hashed once, and nothing older than the chosen one is touched.
+
+    None when there is no checkpoint anywhere (or, with `fresh_start`, after the unusable
+    ones were set aside). UnusableCheckpointsError when checkpoints exist and none can be
+    used. A mirror that cannot be reached raises (after retries) rather than falling back:
+    starting from scratch because the bucket was briefly unreachable would throw work away."""
+    run_dir = Path(run_dir)
+    local_steps, seed_files = _local_entries(run_dir)
+    remote_steps = set(list_checkpoints(mirror)) if mirror is not None else set()
+    refused: list[Refusal] = []
+
+    def refuse(refusal: Refusal) -> None:
+        refused.append(refusal)
+        log.warning("not resuming from step %d: %s", refusal.step, refusal.why)
+        if on_skip is not None:
+            on_skip(refusal.step, refusal.why)
+
+    for step in sorted(set(local_steps) | remote_steps, reverse=True):
+        if step in local_steps:
+            step_dir = local_steps[step]
+            choice = _try_local(step, step_dir, load=load, refuse=refuse)
+            if choice is not None:
+                log.info("resuming from local checkpoint step %d", step)
+                choice.refused = refused
+                return choice
+        if mirror is not None and step in remote_steps:
+            try:
+                step_dir = download_checkpoint(mirror, step, run_dir, progress=progress)
+            except (IntegrityError, StorageNotFoundError, CheckpointConflictError) as exc:
+                # corrupt or incomplete there, or a local copy of that step that must stay
+                refuse(
+                    Refusal(
+                        step=step,
+                        where=mirror.uri,
+                        why=f"{mirror.uri}: {exc}",
+                        foreign=isinstance(exc, SchemaError),
+                        remote=mirror,
+                    )
+                )
+                continue
+            choice = _try_local(step, step_dir, load=load, refuse=refuse, verified=True)
+            if choice is not None:
+                log.info("resuming from step %d, downloaded from %s", step, mirror.uri)
+                choice.refused = refused
+                return choice
+    for path in seed_files:
+        refused.append(
+            Refusal(
+                step=parse_seed_bin(path.name) or 0,
+                where=str(path),
+                why=(
+                    f"{path}: a seed-format file waiting in the checkpoint directory; only "
+                    "`runner run` adopts those (or convert it: `runner convert`)"
+                ),
+                foreign=True,
+                local_path=path,
+            )
+        )
+    if not refused:
+        return None
+    if not fresh_start:
+        raise UnusableCheckpointsError(_refusal_message(run_dir, mirror, refused))
+    _set_aside(run_dir, refused)
+    return None
 
 
 def resolve_resume(
@@ -24,43 +151,101 @@ def resolve_resume(
     *,
     on_skip: SkipCallback | None = None,
     progress: ProgressCallback | None = None,
+    fresh_start: bool = False,
 ) -> Path | None:
-    """The local directory of the newest checkpoint that verifies, taken from the run dir or,
-    when the mirror has a newer one, downloaded (and verified as it arrives) from it. A
-    checkpoint that fails verification, local or remote, is reported through
-    `on_skip(step, why)` and the next older one is tried. None when nothing verifies anywhere.
-    The directory returned was hashed moments ago: `load_state(..., verified=True)` may skip
-    the second pass.
-
-    A mirror that cannot be reached raises (after retries) rather than falling back: starting
-    from scratch because the bucket was briefly unreachable would silently throw work away."""
-    run_dir = Path(run_dir)
-    local_steps = set(list_checkpoints(FileStorage(run_dir)))
-    remote_steps = set(list_checkpoints(mirror)) if mirror is not None else set()
-    # Newest first over both places; each candidate is hashed once (a local one in place, a
-    # remote one as it downloads), and nothing older than the chosen one is touched.
-    for step in sorted(local_steps | remote_steps, reverse=True):
-        if step in local_steps:
-            try:
-                # the local-directory check: symlinks resolved, files hashed in parallel
-                verify_dir(run_dir / checkpoint_key(step))
-            except RunnerError as exc:
-                _skip(on_skip, step, f"local: {exc}")
-            else:
-                log.info("resuming from local checkpoint step %d", step)
-                return run_dir / checkpoint_key(step)
-        if mirror is not None and step in remote_steps:
-            try:
-                path = download_checkpoint(mirror, step, run_dir, progress=progress)
-            except (IntegrityError, StorageNotFoundError) as exc:  # corrupt or incomplete
-                _skip(on_skip, step, f"{mirror.uri}: {exc}")
-                continue
-            log.info("resuming from step %d, downloaded from %s", step, mirror.uri)
-            return path
-    return None
+    """The local directory of the checkpoint `choose_resume` picks (verified, not loaded).
+    It was hashed moments ago: `load_state(..., verified=True)` may skip the second pass."""
+    choice = choose_resume(
+        run_dir, mirror, on_skip=on_skip, progress=progress, fresh_start=fresh_start
+    )
+    return choice.step_dir if choice is not None else None
 
 
-def _skip(on_skip: SkipCallback | None, step: int, why: str) -> None:
-    log.warning("not resuming from checkpoint step %d: %s", step, why)
-    if on_skip is not None:
-        on_skip(step, why)
+def _local_entries(run_dir: Path) -> tuple[dict[int, Path], list[Path]]:
+    """Every `step_N` entry of the checkpoint directory (a committed checkpoint or what
+    looks like one: with or without a manifest, even a file) and every seed `.bin` there."""
+    ckpt_dir = run_dir / CHECKPOINTS_DIR
+    steps: dict[int, Path] = {}
+    seeds: list[Path] = []
+    if not ckpt_dir.is_dir():
+        return steps, seeds
+    for entry in ckpt_dir.iterdir():
+        step = parse_step_dir(entry.name)
+        if step is not None:
+            steps[step] = entry
+        elif parse_seed_bin(entry.name) is not None:
+            seeds.append(entry)
+    return steps, sorted(seeds)
+
+
+def _try_local(
+    step: int,
+    step_dir: Path,
+    *,
+    load: LoadFn | None,
+    refuse: Callable[[Refusal], None],
+    verified: bool = False,
+) -> ResumeChoice | None:
+    try:
+        # the local-directory check: symlinks refused, files hashed in parallel
+        manifest = read_manifest_dir(step_dir) if verified else verify_dir(step_dir)
+    except RunnerError as exc:
+        refuse(
+            Refusal(
+                step=step,
+                where=str(step_dir),
+                why=f"local: {exc}",
+                foreign=isinstance(exc, SchemaError),
+                local_path=step_dir,
+            )
+        )
+        return None
+    if load is None:
+        return ResumeChoice(step_dir=step_dir, manifest=manifest)
+    try:
+        loaded = load(step_dir, manifest)
+    except RunnerError as exc:
+        # it verified: the bytes are what was written, this runner just cannot use them
+        refuse(
+            Refusal(
+                step=step,
+                where=str(step_dir),
+                why=f"{step_dir}: verifies but cannot be loaded: {exc}",
+                foreign=True,
+                local_path=step_dir,
+            )
+        )
+        return None
+    return ResumeChoice(step_dir=step_dir, manifest=manifest, loaded=loaded)
+
+
+def _refusal_message(run_dir: Path, mirror: Storage | None, refused: list[Refusal]) -> str:
+    where = f"{run_dir}" + (f" and {mirror.uri}" if mirror is not None else "")
+    lines = [
+        f"refusing to start: {where} hold(s) {len(refused)} checkpoint(s) and none can be "
+        "resumed from; nothing was written, replaced or deleted:"
+    ]
+    lines += [f"  - step {r.step}: {r.why}" for r in refused]
+    lines.append(
+        "What to do: a newer schema or format needs the spot-runner/trainer version that wrote "
+        "it; a damaged copy can be restored from another location (`runner pull`, `runner "
+        "repair`). To start again at step 0 anyway, pass --fresh-start (RUNNER_FRESH_START=1): "
+        f"these checkpoints are then moved to {run_dir}/aside/"
+        + (" (and de-committed to aside/ in the mirror)" if mirror is not None else "")
+        + ", kept and never deleted; or use a new --run-dir."
+    )
+    return "\n".join(lines)
+
+
+def _set_aside(run_dir: Path, refused: list[Refusal]) -> None:
+    """--fresh-start: move every unusable checkpoint out of the way, keeping its bytes."""
+    for r in refused:
+        reason = FOREIGN if r.foreign else CORRUPT
+        if r.local_path is not None and r.local_path.exists():
+            set_aside_local(run_dir, r.local_path, reason=reason)
+        elif r.remote is not None:
+            decommit_remote(r.remote, r.step, reason=reason)
+    log.warning(
+        "--fresh-start: %d unusable checkpoint(s) set aside (listed above); starting at step 0",
+        len(refused),
+    )

@@ -6,12 +6,14 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from runner.checkpoint.aside import CORRUPT, decommit_remote
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import read_manifest_dir
+from runner.checkpoint.reader import read_manifest_dir, verify_checkpoint
 from runner.errors import (
     IntegrityError,
     RunnerError,
+    SchemaError,
     StorageConflictError,
     StorageNotFoundError,
     StorageTransientError,
@@ -49,19 +51,24 @@ def upload_checkpoint(
     writer_id: str = "runner",
     progress: ProgressCallback | None = None,
     file_workers: int = FILE_WORKERS,
+    verify_existing: bool = False,
 ) -> Manifest:
     """Upload a committed local checkpoint and return the mirror's manifest.
 
     Files go to a directory unique to this attempt, each checked against the local manifest's
     size and sha256 (the backend compares its server-side checksum where it has one); the
     manifest is written last and only if the step has none yet. Already there with the same
-    content: nothing is sent. Another writer's checkpoint at this step: StorageConflictError.
-    On failure this attempt's objects are removed and no manifest exists for them."""
+    content: nothing is sent (with `verify_existing`, only once that copy verifies).
+    Another checkpoint at this step that verifies, or one this runner cannot read:
+    StorageConflictError, never replaced. One that fails verification is de-committed (set
+    aside, runner.checkpoint.aside) and this one uploaded in its place: the heal of a
+    corrupt step. On failure this attempt's objects are removed and no manifest exists for
+    them."""
     step_dir = Path(step_dir)
     local = read_manifest_dir(step_dir)
-    existing = remote_manifest(storage, local.step)
+    existing = _existing(storage, local, verify=verify_existing)
     if existing is not None:
-        return _settle_existing(storage, existing, local)
+        return existing
 
     attempt = new_attempt_id(writer_id)
     remote = to_remote(local, attempt=attempt)
@@ -93,8 +100,9 @@ def upload_checkpoint(
             log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
             return remote
         _discard_attempt(storage, base=base, attempt=attempt)
-        if winner is not None:
-            return _settle_existing(storage, winner, local)
+        existing = _existing(storage, local, verify=False)
+        if existing is not None:
+            return existing
         raise
     except BaseException:
         _discard_attempt(storage, base=base, attempt=attempt)
@@ -124,13 +132,46 @@ def _upload_one(
         raise StorageTransientError(f"{storage.uri}/{key}: stored {stored} bytes, sent {size}")
 
 
-def _settle_existing(storage: Storage, existing: Manifest, local: Manifest) -> Manifest:
-    if same_checkpoint(existing, local):
-        log.info("checkpoint step %d is already in %s", local.step, storage.uri)
-        return existing
+def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | None:
+    """The mirror's copy of this checkpoint when it already holds it; None when the step is
+    free (nothing there, or a corrupt checkpoint that was just de-committed). Raises
+    StorageConflictError when the step holds another good checkpoint or one this runner does
+    not read."""
+    step = local.step
+    where = f"{storage.uri}/{manifest_key(step)}"
+    try:
+        raw = storage.get_bytes(manifest_key(step))
+    except StorageNotFoundError:
+        return None
+    try:
+        existing = Manifest.from_json(raw, source=where)
+        if same_checkpoint(existing, local) and not verify:
+            log.info("checkpoint step %d is already in %s", step, storage.uri)
+            return existing
+        verified = verify_checkpoint(storage, step)
+    except SchemaError as exc:
+        raise StorageConflictError(
+            f"{storage.uri} holds a checkpoint at step {step} that this runner cannot read "
+            f"({exc}); it is never replaced. Upgrade spot-runner, or start a new run elsewhere"
+        ) from exc
+    except IntegrityError as exc:
+        log.warning(
+            "checkpoint step %d in %s fails verification (%s): replacing it with step %d from %s",
+            step,
+            storage.uri,
+            exc,
+            step,
+            local.writer,
+        )
+        decommit_remote(storage, step, reason=CORRUPT)
+        return None
+    if same_checkpoint(verified, local):
+        log.info("checkpoint step %d is already in %s (verified)", step, storage.uri)
+        return verified
     raise StorageConflictError(
-        f"{storage.uri} already holds a different checkpoint at step {local.step} (written by "
-        f"{existing.writer}, fingerprint {existing.fingerprint[:12]}); not replacing it"
+        f"{storage.uri} already holds a different checkpoint at step {step} that verifies "
+        f"(written by {verified.writer}, fingerprint {verified.fingerprint[:12]}); not "
+        "replacing it"
     )
 
 

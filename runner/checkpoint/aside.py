@@ -1,0 +1,110 @@
+"""Setting checkpoints aside: how an unusable checkpoint gets out of the way without being lost.
+
+Nothing that might be someone's last good checkpoint is ever deleted or overwritten by a
+decision of the runner. When a checkpoint must stop counting (it failed verification and a
+good copy of its step is about to be committed, or `--fresh-start` was asked for), it is set
+aside instead:
+
+- in a run dir, its directory (or seed `.bin`) is renamed into `RUN_DIR/aside/`, bytes
+  untouched; nothing there is ever deleted by the runner;
+- in a mirror, it is *de-committed*: a copy of its manifest goes to
+  `PREFIX/aside/step_N-<when>-<why>/manifest.json`, then the step's manifest is deleted (the
+  manifest is the commit marker, so the checkpoint stops existing while its payload objects
+  stay where they are). A record set aside as `foreign` (a newer schema or a format this
+  runner does not read: possibly good for another version) protects the objects it names from
+  retention and the orphan sweep; a `corrupt` one does not, so its payload goes with the
+  step's next retention.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+from runner.checkpoint.atomic import fsync_dir
+from runner.checkpoint.layout import CHECKPOINTS_DIR, manifest_key, step_dir_name
+from runner.errors import RunnerError
+from runner.storage.base import Storage
+
+log = logging.getLogger(__name__)
+
+ASIDE_DIR = "aside"
+ASIDE_MANIFEST = "manifest.json"
+CORRUPT = "corrupt"
+"""Failed size/sha256 (or self-consistency) checks: worthless, kept only for inspection."""
+FOREIGN = "foreign"
+"""Verified or unreadable by this runner (newer schema, unknown format, refused payload):
+possibly good for another version of the trainer, so its bytes are protected."""
+# A manifest is small; an aside record bigger than this is not read for protected names.
+_MAX_RECORD_BYTES = 16 << 20
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+
+
+def aside_name(name: str, reason: str) -> str:
+    """`step_000025-20261201T103000123456Z-corrupt`: sorts by step, then by when."""
+    return f"{name}-{_stamp()}-{reason}"
+
+
+def set_aside_local(run_dir: Path, path: Path, *, reason: str, name: str | None = None) -> Path:
+    """Rename a checkpoint directory or file of `run_dir` into `run_dir/aside/` (same
+    filesystem: one rename, no byte copied) and return where it went. `name` (default: the
+    path's own) starts the new name."""
+    aside_root = Path(run_dir) / ASIDE_DIR
+    aside_root.mkdir(parents=True, exist_ok=True)
+    target = aside_root / aside_name(name or path.name, reason)
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    fsync_dir(aside_root)
+    log.warning("set %s aside as %s (%s): kept, never deleted by the runner", path, target, reason)
+    return target
+
+
+def decommit_remote(storage: Storage, step: int, *, reason: str) -> str:
+    """De-commit a mirror's checkpoint: copy its manifest aside, then delete the original.
+    Returns the aside record's key. Raises StorageError when the copy cannot be written (the
+    checkpoint then stays committed: nothing is deleted before its record exists)."""
+    raw = storage.get_bytes(manifest_key(step))
+    key = f"{ASIDE_DIR}/{aside_name(step_dir_name(step), reason)}/{ASIDE_MANIFEST}"
+    storage.put_bytes(key, raw, if_absent=True)
+    storage.delete(manifest_key(step))
+    log.warning(
+        "de-committed checkpoint step %d in %s (%s): its manifest is kept as %s/%s%s",
+        step,
+        storage.uri,
+        reason,
+        storage.uri,
+        key,
+        " and its files are protected" if reason == FOREIGN else "",
+    )
+    return key
+
+
+def protected_keys(storage: Storage) -> set[str]:
+    """Keys of payload objects named by `foreign` aside records: never deleted by retention or
+    the orphan sweep. A record that cannot be read protects nothing it could name, so the
+    step's own objects are reported through the warning instead of silently deleted."""
+    keys: set[str] = set()
+    for info in storage.list(f"{ASIDE_DIR}/"):
+        parts = info.key.split("/")
+        if len(parts) != 3 or parts[2] != ASIDE_MANIFEST or not parts[1].endswith(f"-{FOREIGN}"):
+            continue
+        step_part = parts[1].split("-", 1)[0]
+        if info.size > _MAX_RECORD_BYTES or not step_part.startswith("step_"):
+            continue
+        try:
+            data = json.loads(storage.get_bytes(info.key))
+            files = data.get("files", []) if isinstance(data, dict) else []
+            # schema 1 lists files as a {path: meta} map, schema 2 as [{path, ...}]
+            paths = list(files) if isinstance(files, dict) else [f.get("path") for f in files]
+        except (RunnerError, ValueError, AttributeError, TypeError) as exc:
+            log.warning("aside record %s/%s cannot be read: %s", storage.uri, info.key, exc)
+            continue
+        base = f"{CHECKPOINTS_DIR}/{step_part}"
+        keys |= {f"{base}/{p}" for p in paths if isinstance(p, str)}
+    return keys
