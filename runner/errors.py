@@ -25,6 +25,10 @@ class ConfigError(RunnerError):
     exit_code = EXIT_USAGE
 
 
+class RunDirLockedError(ConfigError):
+    """Another process holds the run dir's lock (runner/runlock.py): one writer per run dir."""
+
+
 class IntegrityError(RunnerError):
     """A checkpoint is corrupt, truncated, tampered with or unreadable."""
 
@@ -39,6 +43,11 @@ class SchemaError(IntegrityError):
     """A manifest or payload has a schema version this runner cannot read."""
 
 
+class UnusableCheckpointsError(IntegrityError):
+    """Checkpoints exist (locally or in the mirror) and none verifies and loads: training
+    refuses to start rather than begin again at step 0 and replace them."""
+
+
 class StorageError(RunnerError):
     """Object storage or filesystem failure."""
 
@@ -46,6 +55,11 @@ class StorageError(RunnerError):
 class CheckpointWriteError(StorageError):
     """A checkpoint could not be written locally (disk full, I/O error); the previous
     committed checkpoint is intact."""
+
+
+class CheckpointConflictError(CheckpointWriteError):
+    """A checkpoint of the same step already exists and verifies (or is of a schema/format
+    this runner does not read) with other contents: it is never replaced."""
 
 
 class StorageTransientError(StorageError):
