@@ -157,7 +157,10 @@ def test_payload_whose_pickle_runs_code_is_refused_and_the_code_never_runs(
     marker = tmp_path / "pwned"
     torch.save({"schema": "2", "model": _RunsCode(marker)}, ckpt.path / "state.pt")
     _refresh_manifest_hashes(ckpt.path)
-    verify_checkpoint(open_storage(tmp_path / "run"), 1)  # integrity alone cannot catch it
+    # hashes alone cannot catch it, but verify reads the counters the way resume loads
+    # (weights-only), so it refuses what resume would refuse
+    with pytest.raises(IntegrityError, match="weights-only loading refuses"):
+        verify_checkpoint(open_storage(tmp_path / "run"), 1)
     with pytest.raises(IntegrityError, match="weights-only loading refuses"):
         load_state(ckpt.path)
     assert not marker.exists()
@@ -251,3 +254,223 @@ def test_load_newest_state_falls_back_past_unloadable_checkpoints(
     assert "size 1 !=" in skipped[0][1] and "weights-only" in skipped[1][1]
     assert not (tmp_path / "ran").exists()
     assert load_newest_state(tmp_path / "empty") is None
+
+
+# -- a checkpoint cannot lie about itself (issue 9, item 4) ----------------------------------
+
+
+def _move_to_step(run: Path, src_step: int, dst_step: int) -> Path:
+    """Copy checkpoint `src_step` to a directory named for `dst_step`, its manifest edited to
+    say `dst_step` (every sha256 still valid): a forged checkpoint."""
+    import shutil
+
+    src = run / checkpoint_key(src_step)
+    dst = run / checkpoint_key(dst_step)
+    shutil.copytree(src, dst)
+    _rewrite_manifest(dst, step=dst_step)
+    return dst
+
+
+def test_forged_step_is_refused_by_verify_load_and_newest(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    from runner.checkpoint.reader import load_newest_state, verify_dir
+
+    save_checkpoint(2)
+    save_checkpoint(3)
+    run = tmp_path / "run"
+    forged = _move_to_step(run, 3, 999_999_999)
+    storage = open_storage(run)
+    mismatch = (
+        r"step_999999999: the manifest and the payload disagree "
+        r"\(step: manifest 999999999, payload 3\)"
+    )
+    with pytest.raises(IntegrityError, match=mismatch):
+        verify_checkpoint(storage, 999_999_999)
+    with pytest.raises(IntegrityError, match=mismatch):
+        verify_dir(forged)
+    with pytest.raises(IntegrityError, match=mismatch):
+        load_state(forged)
+    skipped: list[tuple[int, str]] = []
+    newest = newest_verified(storage, on_skip=lambda s, why: skipped.append((s, why)))
+    assert newest is not None and newest.step == 3
+    assert [s for s, _ in skipped] == [999_999_999]
+    found = load_newest_state(run)
+    assert found is not None and found[0].step == 3 and found[1]["counters"]["step"] == 3
+
+
+def test_payload_of_another_step_under_an_honest_manifest_is_refused(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    """step_000005 holding step 4's payload, manifest consistent with step 5, hashes fixed."""
+    four = save_checkpoint(4)
+    five = save_checkpoint(5)
+    (five.path / "state.pt").write_bytes((four.path / "state.pt").read_bytes())
+    _refresh_manifest_hashes(five.path)
+    want = (
+        r"step_000005: the manifest and the payload disagree \(step: manifest 5, payload 4; "
+        r"samples_seen: manifest 25, payload 20; batch_in_epoch: manifest 5, payload 4\)"
+    )
+    with pytest.raises(IntegrityError, match=want):
+        verify_checkpoint(open_storage(tmp_path / "run"), 5)
+    with pytest.raises(IntegrityError, match=want):
+        load_state(five.path)
+
+
+def test_manifest_counters_other_than_step_are_compared_too(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    ckpt = save_checkpoint(3)
+    _rewrite_manifest(ckpt.path, world_size=2)
+    with pytest.raises(IntegrityError, match=r"\(world_size: manifest 2, payload 1\)"):
+        verify_checkpoint(open_storage(tmp_path / "run"), 3)
+    _rewrite_manifest(ckpt.path, world_size=1, samples_seen=16)
+    with pytest.raises(IntegrityError, match=r"\(samples_seen: manifest 16, payload 15\)"):
+        load_state(ckpt.path)
+
+
+def test_sharded_payload_counters_are_checked(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    save_checkpoint(2, shard_bytes=64)
+    ckpt = save_checkpoint(3, shard_bytes=64)
+    assert ckpt.manifest.format == "torch-sharded"
+    storage = open_storage(tmp_path / "run")
+    assert verify_checkpoint(storage, 3).step == 3
+    assert load_state(ckpt.path)["counters"]["step"] == 3
+    _move_to_step(tmp_path / "run", 2, 7)
+    with pytest.raises(IntegrityError, match=r"\(step: manifest 7, payload 2\)"):
+        verify_checkpoint(storage, 7)
+    with pytest.raises(IntegrityError, match=r"\(step: manifest 7, payload 2\)"):
+        load_state(tmp_path / "run" / checkpoint_key(7))
+
+
+def test_seed_bin_header_step_must_match_the_manifest(tmp_path: Path) -> None:
+    import struct
+
+    from runner.checkpoint.seedbin import adopt_seed_bin
+
+    src = tmp_path / "step_000006.bin"
+    src.write_bytes(struct.pack("<ii", 6, 2) + b"\0" * 24)
+    writer = CheckpointWriter(tmp_path / "run" / "checkpoints", run_id="r", writer_id="w")
+    ckpt = adopt_seed_bin(writer, src, copy=True)
+    storage = open_storage(tmp_path / "run")
+    assert verify_checkpoint(storage, 6).step == 6
+    (ckpt.path / "step_000006.bin").write_bytes(struct.pack("<ii", 5, 2) + b"\0" * 24)
+    _refresh_manifest_hashes(ckpt.path)
+    with pytest.raises(IntegrityError, match="file name says step 6, its header step 5"):
+        verify_checkpoint(storage, 6)
+
+
+def test_directory_name_must_match_the_manifest_step(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    from runner.checkpoint.reader import read_manifest_dir
+
+    ckpt = save_checkpoint(3)
+    moved = ckpt.path.with_name("step_000009")
+    ckpt.path.rename(moved)
+    with pytest.raises(IntegrityError, match="manifest says step 3, its directory is named step 9"):
+        read_manifest_dir(moved)
+    with pytest.raises(IntegrityError, match="manifest says step 3, its directory is named step 9"):
+        verify_checkpoint(open_storage(tmp_path / "run"), 9)
+
+
+def test_migrated_v1_checkpoint_compares_only_what_it_stores(tmp_path: Path) -> None:
+    """A v1 manifest has no world_size/samples_seen and a v1 payload no samples_seen: those
+    are never compared (the v1 test above: payload world_size 2, manifest default 1); the
+    step is."""
+    state = tiny_train_state(steps=4)
+    step_dir = tmp_path / "checkpoints" / "step_000004"
+    step_dir.mkdir(parents=True)
+    torch.save({**_v1_payload(state), "step": 3}, step_dir / "state.pt")
+    from runner.checkpoint.atomic import sha256_file
+
+    size, sha = sha256_file(step_dir / "state.pt")
+    v1 = {
+        "version": 1,
+        "step": 4,
+        "created_at": "2026-01-01T00:00:00Z",
+        "format": "torch-state",
+        "files": {"state.pt": {"size": size, "sha256": sha}},
+    }
+    (step_dir / "manifest.json").write_text(json.dumps(v1))
+    with pytest.raises(IntegrityError, match=r"\(step: manifest 4, payload 3\)"):
+        verify_checkpoint(open_storage(tmp_path), 4)
+
+
+class _CountingStorage:
+    """A FileStorage whose readers count the bytes handed out."""
+
+    def __init__(self, root: Path) -> None:
+        from runner.storage.file import FileStorage
+
+        self.inner = FileStorage(root)
+        self.read_bytes = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def open_read(self, key: str) -> object:
+        stream = self.inner.open_read(key)
+        outer = self
+
+        class Counted:
+            def __enter__(self) -> Counted:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                stream.close()
+
+            def read(self, n: int = -1) -> bytes:
+                data = stream.read(n)
+                outer.read_bytes += len(data)
+                return data
+
+        return Counted()
+
+    def get_bytes(self, key: str) -> bytes:
+        raise AssertionError("a manifest must be read with a bound, not get_bytes")
+
+
+def test_huge_manifest_is_refused_without_reading_it_all(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    from runner.checkpoint.manifest import MAX_MANIFEST_BYTES
+    from runner.checkpoint.reader import read_manifest, read_manifest_dir
+
+    ckpt = save_checkpoint(1)
+    with open(ckpt.path / "manifest.json", "r+b") as f:  # 1 GiB, sparse: costs no disk
+        f.truncate(1024**3)
+    storage = _CountingStorage(tmp_path / "run")
+    with pytest.raises(IntegrityError, match=f"larger than the {MAX_MANIFEST_BYTES} bytes"):
+        read_manifest(storage, 1)  # type: ignore[arg-type]
+    assert storage.read_bytes == MAX_MANIFEST_BYTES + 1
+    with pytest.raises(IntegrityError, match=f"larger than the {MAX_MANIFEST_BYTES} bytes"):
+        read_manifest_dir(ckpt.path)
+    with pytest.raises(IntegrityError, match="more than the 16777216 a manifest may have"):
+        Manifest.from_json(b" " * (MAX_MANIFEST_BYTES + 1))
+
+
+def test_manifest_claims_are_bounded(tmp_path: Path, save_checkpoint: SaveCheckpoint) -> None:
+    base = json.loads(save_checkpoint(1).manifest.to_json())
+    entry = base["files"][0]
+
+    def refused(match: str, **changes: object) -> None:
+        with pytest.raises(IntegrityError, match=match):
+            Manifest.from_json(json.dumps({**base, **changes}).encode())
+
+    many = [{**entry, "path": f"f{i}"} for i in range(100_001)]
+    refused("lists 100001 files, more than the 100000 a checkpoint may have", files=many)
+    refused("step 1000000000000 is implausible", step=10**12)
+    refused("samples_seen 4611686018427387904 is implausible", samples_seen=2**62)
+    refused("bad size 1125899906842624 for 'state.pt'", files=[{**entry, "size": 2**50}])
+    refused("bad size -1 for 'state.pt'", files=[{**entry, "size": -1}])
+    refused("bad size True for 'state.pt'", files=[{**entry, "size": True}])
+    refused("is longer than 1024 characters", files=[{**entry, "path": "a/" * 600 + "b"}])
+    refused("is longer than 1024 characters", files=[{**entry, "path": "x" * 256}])
+    assert Manifest.from_json(json.dumps(base).encode()).step == 1  # the base itself is fine
+    with pytest.raises(IntegrityError, match="not valid JSON"):
+        Manifest.from_json(b"[" * 100_000 + b"]" * 100_000)  # nesting past the recursion limit
+    with pytest.raises(IntegrityError, match="not valid JSON"):
+        Manifest.from_json(b'{"step": ' + b"9" * 5000 + b"}")  # past Python's int digit limit

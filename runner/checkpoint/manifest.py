@@ -24,6 +24,18 @@ FORMAT_SEED_BIN = "seed-bin"  # step_NNNNNN.bin from the seed format
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
+# What a manifest may claim, so a hostile one cannot exhaust memory or time: readers read at
+# most MAX_MANIFEST_BYTES before parsing, and `validate` bounds the rest. Real manifests are
+# far below every limit (a 1000-shard checkpoint's manifest is ~150 KiB).
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_FILES = 100_000
+MAX_PATH_CHARS = 1024
+MAX_PATH_PART_CHARS = 255
+MAX_STEP = 10**12  # a trillion optimizer updates: no real run gets near it
+MAX_COUNTER = 2**62  # samples_seen and friends: fit an int64 with room to spare
+MAX_WORLD_SIZE = 2**20
+MAX_FILE_SIZE = 2**50  # 1 PiB per file
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FileEntry:
@@ -58,18 +70,39 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes, *, source: str = "manifest.json") -> Manifest:
-        """Parse, migrate to the current schema and validate. Raises IntegrityError/SchemaError."""
+        """Parse, migrate to the current schema and validate. Raises IntegrityError/SchemaError.
+
+        `raw` longer than MAX_MANIFEST_BYTES is refused before parsing; readers should not
+        read more than that in the first place (see `runner.checkpoint.reader`)."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise IntegrityError(
+                f"{source}: {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may "
+                "have; not a spot-runner manifest, refusing to parse it"
+            )
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            # ValueError: JSONDecodeError, and integers past Python's digit limit;
+            # RecursionError: absurdly deep nesting
             raise IntegrityError(
-                f"{source}: not valid JSON ({exc}); the checkpoint is corrupt"
+                f"{source}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); the "
+                "checkpoint is corrupt"
             ) from exc
         if not isinstance(data, dict):
             raise IntegrityError(f"{source}: expected a JSON object")
         data = migrate(data, source=source)
+        files_raw = data.pop("files", None)
+        if not isinstance(files_raw, list):
+            raise IntegrityError(
+                f"{source}: 'files' must be a list, got {type(files_raw).__name__}"
+            )
+        if len(files_raw) > MAX_FILES:
+            raise IntegrityError(
+                f"{source}: lists {len(files_raw)} files, more than the {MAX_FILES} a checkpoint "
+                "may have; refusing it"
+            )
         try:
-            files = [FileEntry(**f) for f in data.pop("files")]
+            files = [FileEntry(**f) for f in files_raw]
             manifest = cls(files=files, **data)
         except (TypeError, KeyError) as exc:
             raise IntegrityError(f"{source}: missing or unknown field ({exc})") from exc
@@ -79,24 +112,53 @@ class Manifest:
     def validate(self, *, source: str = "manifest.json") -> None:
         if self.schema != SCHEMA_VERSION:
             raise SchemaError(f"{source}: schema {self.schema!r} is not {SCHEMA_VERSION!r}")
-        for name in ("step", "samples_seen", "world_size", "epoch", "batch_in_epoch"):
+        limits = {
+            "step": MAX_STEP,
+            "samples_seen": MAX_COUNTER,
+            "world_size": MAX_WORLD_SIZE,
+            "epoch": MAX_COUNTER,
+            "batch_in_epoch": MAX_COUNTER,
+        }
+        for name, limit in limits.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise IntegrityError(
                     f"{source}: {name} must be a non-negative integer, got {value!r}"
                 )
+            if value >= limit:
+                raise IntegrityError(
+                    f"{source}: {name} {value} is implausible (must be < {limit}); the "
+                    "manifest is corrupt or forged"
+                )
         if self.world_size < 1:
             raise IntegrityError(f"{source}: world_size must be >= 1")
-        if not self.files:
+        for name in ("schema", "created_at", "run_id", "writer", "format", "fingerprint"):
+            if not isinstance(getattr(self, name), str):
+                raise IntegrityError(f"{source}: {name} must be a string")
+        if not isinstance(self.extra, dict):
+            raise IntegrityError(f"{source}: extra must be an object")
+        if not isinstance(self.files, list) or not self.files:
             raise IntegrityError(f"{source}: lists no files")
+        if len(self.files) > MAX_FILES:
+            raise IntegrityError(
+                f"{source}: lists {len(self.files)} files, more than the {MAX_FILES} a "
+                "checkpoint may have; refusing it"
+            )
         seen: set[str] = set()
         for entry in self.files:
             check_relative_path(entry.path, source=source)
             if entry.path in seen:
                 raise IntegrityError(f"{source}: file {entry.path!r} listed twice")
             seen.add(entry.path)
-            if not isinstance(entry.size, int) or entry.size < 0:
-                raise IntegrityError(f"{source}: bad size for {entry.path!r}")
+            if (
+                not isinstance(entry.size, int)
+                or isinstance(entry.size, bool)
+                or not 0 <= entry.size < MAX_FILE_SIZE
+            ):
+                raise IntegrityError(
+                    f"{source}: bad size {entry.size!r} for {entry.path!r} (must be an integer "
+                    f">= 0 and < {MAX_FILE_SIZE})"
+                )
             if not isinstance(entry.sha256, str) or not _SHA256.match(entry.sha256):
                 raise IntegrityError(f"{source}: bad sha256 for {entry.path!r}")
 
@@ -105,6 +167,11 @@ def check_relative_path(path: str, *, source: str = "manifest.json") -> str:
     """Refuse absolute paths and paths that resolve outside the checkpoint directory."""
     if not isinstance(path, str) or not path:
         raise IntegrityError(f"{source}: empty or non-string file path {path!r}")
+    if len(path) > MAX_PATH_CHARS or any(len(p) > MAX_PATH_PART_CHARS for p in path.split("/")):
+        raise IntegrityError(
+            f"{source}: file path {path[:80]!r}... is longer than {MAX_PATH_CHARS} characters "
+            f"(or has a part over {MAX_PATH_PART_CHARS}); refusing to read it"
+        )
     if (
         path.startswith(("/", "\\"))
         or re.match(r"^[A-Za-z]:", path)
@@ -144,15 +211,21 @@ def migrate(data: dict[str, Any], *, source: str) -> dict[str, Any]:
             f"{', '.join(SUPPORTED_SCHEMAS)}); upgrade spot-runner to read it"
         )
     if schema == "1":
-        data = _migrate_v1_to_v2(data)
+        try:
+            data = _migrate_v1_to_v2(data)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise IntegrityError(f"{source}: malformed v1 manifest ({exc})") from exc
     return data
 
 
 def _migrate_v1_to_v2(v1: dict[str, Any]) -> dict[str, Any]:
     """v1 (first layout): `version: 1`, `files` as a {path: {size, sha256}} map, no world size,
     no samples_seen, no run identity. v2 adds them; samples_seen is recovered from the v1
-    `batch_size` (samples = step * batch_size * world_size, exact for fixed-size batches)."""
+    `batch_size` (samples = step * batch_size * world_size, exact for fixed-size batches).
+    `extra.v1_counters` names the counters the v1 manifest really stored (the others are
+    defaults or derived), so the payload is compared with those only."""
     data = dict(v1)
+    stored = sorted(name for name in V1_MANIFEST_COUNTERS if name in data)
     data.pop("version", None)
     data["schema"] = "2"
     files = data.get("files", {})
@@ -165,5 +238,19 @@ def _migrate_v1_to_v2(v1: dict[str, Any]) -> dict[str, Any]:
     data.setdefault("writer", "migrated-v1")
     data.setdefault("fingerprint", "")
     data.setdefault("extra", {})
-    data["extra"] = {**data["extra"], "migrated_from": "1"}
+    data["extra"] = {**data["extra"], "migrated_from": "1", "v1_counters": stored}
     return data
+
+
+V1_MANIFEST_COUNTERS = ("step", "epoch", "batch_in_epoch", "world_size", "samples_seen")
+
+
+def stored_counters(manifest: Manifest) -> tuple[str, ...]:
+    """The counters a manifest really records: all five for v2; for one migrated from v1 only
+    those the v1 file had (`step` at least), never a default or a derived value."""
+    if manifest.extra.get("migrated_from") != "1":
+        return V1_MANIFEST_COUNTERS
+    listed = manifest.extra.get("v1_counters")
+    if not isinstance(listed, list):
+        return ("step",)
+    return tuple(name for name in V1_MANIFEST_COUNTERS if name in listed)

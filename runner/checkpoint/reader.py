@@ -3,42 +3,82 @@
 Listing and verifying go through the `Storage` protocol, so they work the same on a run dir,
 `file://` and `s3://`. Loading is local: sizes and sha256 of every file are checked before
 anything is deserialised, and deserialising is `torch.load(weights_only=True)`.
+
+One rule set, two ways to apply it (a local directory is hashed in place on several threads,
+any other storage is streamed), shared by every command (`verify`, `status`, `ls --verify`,
+`pull`, `push`, resume): a checkpoint verifies when
+
+1. its manifest is at most MAX_MANIFEST_BYTES (no more is read), parses, and stays within the
+   bounds `Manifest.validate` sets (files, path lengths, plausible step and sizes);
+2. the manifest's step is the step its directory is named after;
+3. every listed file is a canonical relative path, present, a regular file and not a symlink
+   (nor under a symlinked directory inside the checkpoint), of the listed size and sha256;
+4. the counters inside the payload agree with the manifest (`check_counters`): step,
+   world_size, samples_seen, epoch, batch_in_epoch for torch-state / torch-sharded (read from
+   state.pt or the sharded skeleton), the header's step for seed-bin. Only counters both sides
+   really store are compared (a migrated v1 manifest or payload lacks some).
+
+Reading the counters is cheap locally: `torch.load(weights_only=True, mmap=True)` touches the
+pickle, not the tensor data. Remotely (s3://) the counter-holding file is read a second time
+after hashing, bounded: a seed header is 8 bytes and a sharded skeleton/index is small, but a
+torch-state `state.pt` larger than REMOTE_COUNTER_CHECK_MAX_BYTES is not fetched twice just
+for its counters: `verify` on such a remote checkpoint checks rules 1-3 and logs that the
+counters were not read, and the counters are checked when it is downloaded (before the
+directory is published) and again after it is deserialised by `load_state`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import logging
 import os
 import pickle
+import stat
+import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.atomic import hash_stream, sha256_file
+from runner.checkpoint.atomic import hash_stream
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
     checkpoint_key,
     manifest_key,
+    parse_seed_bin,
     parse_step_dir,
 )
 from runner.checkpoint.manifest import (
     FORMAT_SEED_BIN,
     FORMAT_SHARDED,
     FORMAT_TORCH,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     check_relative_path,
+    stored_counters,
 )
-from runner.checkpoint.payload import migrate_payload
+from runner.checkpoint.payload import migrate_payload, payload_schema
 from runner.errors import IntegrityError, RunnerError, SchemaError, StorageNotFoundError
 from runner.storage.base import Storage
+from runner.storage.file import FileStorage
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
+INDEX_FILE = "index.json"  # runner.checkpoint.sharded.INDEX_NAME (that module imports torch)
+# A remote (non-local) torch-state payload at most this big is read a second time after
+# hashing so its counters can be checked; larger ones are checked on download and on load.
+REMOTE_COUNTER_CHECK_MAX_BYTES = 64 * 1024 * 1024
+# A sharded index or skeleton is metadata; one bigger than this is not a spot-runner one.
+MAX_SHARD_METADATA_BYTES = 256 * 1024 * 1024
+_COUNTERS = ("step", "world_size", "samples_seen", "epoch", "batch_in_epoch")
+_V1_PAYLOAD_COUNTERS = ("step", "epoch", "batch_in_epoch", "world_size")  # no samples_seen
+_SEED_HEADER = struct.Struct("<ii")  # runner.checkpoint.seedbin.HEADER
 
 SkipCallback = Callable[[int, str], None]
 
@@ -64,20 +104,47 @@ def list_checkpoints(storage: Storage) -> list[int]:
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
+    """The manifest of checkpoint `step` at `storage`, read with a bound (at most
+    MAX_MANIFEST_BYTES + 1 bytes ever leave the storage) and checked against the step its
+    directory is named after."""
     key = manifest_key(step)
     source = f"{storage.uri}/{key}"
     try:
-        raw = storage.get_bytes(key)
+        with storage.open_read(key) as stream:
+            raw = stream.read(MAX_MANIFEST_BYTES + 1)
     except StorageNotFoundError as exc:
         raise IntegrityError(f"{source}: manifest is missing") from exc
+    _check_manifest_size(raw, source=source)
     manifest = Manifest.from_json(raw, source=source)
-    if manifest.step != step:
-        raise IntegrityError(f"{source}: manifest says step {manifest.step}, directory {step}")
+    _check_named_step(manifest, step, source=source)
     return manifest
 
 
+def _check_manifest_size(raw: bytes, *, source: str) -> None:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise IntegrityError(
+            f"{source}: larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have; not "
+            "read further, refusing it"
+        )
+
+
+def _check_named_step(manifest: Manifest, step: int | None, *, source: str) -> None:
+    if step is not None and manifest.step != step:
+        raise IntegrityError(
+            f"{source}: manifest says step {manifest.step}, its directory is named step {step}; "
+            "the checkpoint is mislabelled or forged"
+        )
+
+
 def verify_checkpoint(storage: Storage, step: int) -> Manifest:
-    """Check every file the manifest lists: present, right size, right sha256."""
+    """Apply every rule of the module docstring to checkpoint `step` at `storage`.
+
+    A local location (a run dir, `file://`) is checked in place by `verify_dir` (hashed on
+    several threads, symlinks refused); any other storage is streamed."""
+    if isinstance(storage, FileStorage):
+        # FileStorage refuses a symlinked checkpoints/ dir when listing; here the step dir
+        # and everything in it are checked without following any symlink
+        return verify_dir(storage.root / checkpoint_key(step), step=step)
     manifest = read_manifest(storage, step)
     base = checkpoint_key(step)
     for entry in manifest.files:
@@ -90,10 +157,14 @@ def verify_checkpoint(storage: Storage, step: int) -> Manifest:
             raise IntegrityError(
                 f"{where}: size {size} != {entry.size} in the manifest (truncated or replaced)"
             )
-        with storage.open_read(f"{base}/{entry.path}") as stream:
-            _, sha256 = hash_stream(stream)
+        try:
+            with storage.open_read(f"{base}/{entry.path}") as stream:
+                _, sha256 = hash_stream(stream)
+        except StorageNotFoundError as exc:
+            raise IntegrityError(f"{where}: listed in the manifest but missing") from exc
         if sha256 != entry.sha256:
             raise IntegrityError(f"{where}: sha256 mismatch (the file is corrupt)")
+    _check_remote_counters(storage, base, manifest)
     return manifest
 
 
@@ -123,55 +194,331 @@ def newest_verified(storage: Storage, *, on_skip: SkipCallback | None = None) ->
     return None
 
 
+# -- the counters inside the payload ----------------------------------------------------------
+
+
+def check_counters(
+    manifest: Manifest, payload: dict[str, int], *, source: str, what: str = "payload"
+) -> None:
+    """IntegrityError naming every counter on which the manifest and the payload disagree.
+    `payload` holds only the counters the payload really stores; of the manifest only those
+    it really stores (`stored_counters`) are compared."""
+    in_manifest = stored_counters(manifest)
+    mismatches = [
+        f"{name}: manifest {getattr(manifest, name)}, {what} {payload[name]}"
+        for name in _COUNTERS
+        if name in payload and name in in_manifest and payload[name] != getattr(manifest, name)
+    ]
+    if mismatches:
+        raise IntegrityError(
+            f"{source}: the manifest and the {what} disagree ({'; '.join(mismatches)}); the "
+            "checkpoint is mislabelled or forged, not using it"
+        )
+
+
+def payload_counters(raw: object, *, source: str) -> dict[str, int]:
+    """The counters a deserialised payload really stores (schema checked first: an unknown
+    one is a SchemaError). v2: its `counters` dict; v1: the flat ones it has (v1 never stored
+    samples_seen). A counter that is not an integer is an IntegrityError."""
+    migrate_payload(raw, source=source)  # type and schema checks only; the result is unused
+    assert isinstance(raw, dict)
+    if payload_schema(raw) == "1":
+        found = {name: raw[name] for name in _V1_PAYLOAD_COUNTERS if name in raw}
+    else:
+        counters = raw.get("counters")
+        if not isinstance(counters, dict):
+            return {}  # restoring refuses it with its own message
+        found = {name: counters[name] for name in _COUNTERS if name in counters}
+    return {name: _as_int(value, name=name, source=source) for name, value in found.items()}
+
+
+def _as_int(value: object, *, name: str, source: str) -> int:
+    item = getattr(value, "item", None)
+    if item is not None and getattr(value, "numel", lambda: 0)() == 1:
+        value = item()  # a one-element tensor
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise IntegrityError(f"{source}: payload counter {name!r} is {value!r}, not an integer")
+    return value
+
+
+def _torch_load(path: Path | str, *, source: str, mmap: bool) -> Any:
+    """torch.load(weights_only=True) with the loader's failures as IntegrityError."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        raise IntegrityError(
+            f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
+            "it was not written by spot-runner and was not executed"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise IntegrityError(f"{source}: payload cannot be deserialised ({exc})") from exc
+
+
+def _attempt_prefix(manifest: Manifest) -> str:
+    """A mirror's manifest lists payload files under the upload attempt's directory."""
+    from runner.mirror.remote_layout import ATTEMPT_FIELD  # runner.mirror imports this module
+
+    attempt = manifest.extra.get(ATTEMPT_FIELD)
+    return f"{attempt}/" if isinstance(attempt, str) and attempt else ""
+
+
+def _listed(manifest: Manifest, path: str, *, source: str) -> FileEntry:
+    for entry in manifest.files:
+        if entry.path == path:
+            return entry
+    raise IntegrityError(f"{source}: the manifest does not list {path}")
+
+
+def _seed_files(manifest: Manifest) -> list[FileEntry]:
+    return [e for e in manifest.files if parse_seed_bin(e.path.rsplit("/", 1)[-1]) is not None]
+
+
+def _check_seed_header(manifest: Manifest, entry: FileEntry, header: bytes, *, source: str) -> None:
+    if len(header) < _SEED_HEADER.size:
+        raise IntegrityError(f"{source}: too short for the 8-byte seed header")
+    step, _ = _SEED_HEADER.unpack(header[: _SEED_HEADER.size])
+    named = parse_seed_bin(entry.path.rsplit("/", 1)[-1])
+    if named is not None and named != step:
+        raise IntegrityError(f"{source}: file name says step {named}, its header step {step}")
+    check_counters(manifest, {"step": step}, source=source, what="seed header")
+
+
+def _sharded_skeleton(
+    manifest: Manifest, index_raw: bytes, *, prefix: str, source: str
+) -> FileEntry:
+    """The manifest entry of the skeleton a sharded index names."""
+    try:
+        index = json.loads(index_raw)
+        skeleton = index["skeleton"]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise IntegrityError(f"{source}: unreadable shard index ({exc})") from exc
+    rel = check_relative_path(skeleton, source=source)
+    return _listed(manifest, prefix + rel, source=source)
+
+
+def check_payload_counters(step_dir: Path, manifest: Manifest) -> None:
+    """Rule 4 for a local directory whose files were just checked (rule 3): the counters in
+    the payload (read mapped: cheap however big the payload) agree with the manifest."""
+    prefix = _attempt_prefix(manifest)
+    source = str(step_dir)
+    if manifest.format == FORMAT_TORCH:
+        entry = _listed(manifest, prefix + STATE_FILE, source=source)
+        raw = _load_local(step_dir, entry.path)
+        check_counters(manifest, payload_counters(raw, source=source), source=source)
+    elif manifest.format == FORMAT_SHARDED:
+        index = _listed(manifest, prefix + INDEX_FILE, source=source)
+        with _open_local(step_dir, index.path) as f:
+            index_raw = f.read(MAX_SHARD_METADATA_BYTES + 1)
+        skeleton = _sharded_skeleton(manifest, index_raw, prefix=prefix, source=source)
+        raw = _load_local(step_dir, skeleton.path)
+        check_counters(manifest, payload_counters(raw, source=source), source=source)
+    elif manifest.format == FORMAT_SEED_BIN:
+        for entry in _seed_files(manifest):
+            with _open_local(step_dir, entry.path) as f:
+                header = f.read(_SEED_HEADER.size)
+            _check_seed_header(manifest, entry, header, source=str(step_dir / entry.path))
+    # an unknown format is refused where it is loaded (SchemaError), not here
+
+
+def _check_remote_counters(storage: Storage, base: str, manifest: Manifest) -> None:
+    """Rule 4 for a streamed storage, each read bounded and re-hashed (see the docstring)."""
+    prefix = _attempt_prefix(manifest)
+    source = f"{storage.uri}/{base}"
+
+    def fetch(entry: FileEntry, limit: int) -> bytes | None:
+        if entry.size > limit:
+            return None
+        with storage.open_read(f"{base}/{entry.path}") as stream:
+            data = stream.read(entry.size + 1)
+        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise IntegrityError(f"{source}/{entry.path}: changed while it was being verified")
+        return data
+
+    if manifest.format == FORMAT_TORCH:
+        entry = _listed(manifest, prefix + STATE_FILE, source=source)
+        data = fetch(entry, REMOTE_COUNTER_CHECK_MAX_BYTES)
+        if data is None:
+            log.info(
+                "%s: %s is %d bytes; its counters are checked when it is downloaded, not "
+                "streamed a second time here",
+                source,
+                entry.path,
+                entry.size,
+            )
+            return
+        raw = _torch_load_bytes(data, source=f"{source}/{entry.path}")
+    elif manifest.format == FORMAT_SHARDED:
+        index_raw = fetch(
+            _listed(manifest, prefix + INDEX_FILE, source=source), MAX_SHARD_METADATA_BYTES
+        )
+        if index_raw is None:
+            raise IntegrityError(f"{source}: the shard index is too big to be a spot-runner one")
+        skeleton = _sharded_skeleton(manifest, index_raw, prefix=prefix, source=source)
+        data = fetch(skeleton, MAX_SHARD_METADATA_BYTES)
+        if data is None:
+            raise IntegrityError(f"{source}: the skeleton is too big to be a spot-runner one")
+        raw = _torch_load_bytes(data, source=f"{source}/{skeleton.path}")
+    elif manifest.format == FORMAT_SEED_BIN:
+        for entry in _seed_files(manifest):
+            with storage.open_read(f"{base}/{entry.path}") as stream:
+                header = stream.read(_SEED_HEADER.size)
+            _check_seed_header(manifest, entry, header, source=f"{source}/{entry.path}")
+        return
+    else:
+        return
+    check_counters(manifest, payload_counters(raw, source=source), source=source)
+
+
+def _torch_load_bytes(data: bytes, *, source: str) -> Any:
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise IntegrityError(
+            f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
+            "it was not written by spot-runner and was not executed"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise IntegrityError(f"{source}: payload cannot be deserialised ({exc})") from exc
+
+
 # -- local ----------------------------------------------------------------------------------
 
 
-def read_manifest_dir(step_dir: Path) -> Manifest:
-    source = str(step_dir / MANIFEST_NAME)
+def _dir_storage(step_dir: Path) -> tuple[FileStorage, str]:
+    """The no-symlink reader for files of `step_dir`: a FileStorage rooted at its parent, so
+    the step directory itself and everything below it are opened with O_NOFOLLOW."""
+    step_dir = Path(step_dir).absolute()
+    return FileStorage(step_dir.parent), step_dir.name
+
+
+def _open_local(step_dir: Path, rel: str) -> io.BufferedReader:
+    storage, name = _dir_storage(step_dir)
     try:
-        raw = (step_dir / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError as exc:
+        return storage.open_read(f"{name}/{rel}")  # type: ignore[return-value]
+    except StorageNotFoundError as exc:
+        raise IntegrityError(f"{step_dir / rel}: listed in the manifest but missing") from exc
+
+
+def _load_local(step_dir: Path, rel: str) -> Any:
+    """Deserialise a local payload file, mapped (only the pages read are touched) and opened
+    without following a symlink: torch maps the already-open file through /proc/self/fd."""
+    source = str(step_dir / rel)
+    with _open_local(step_dir, rel) as f:
+        by_fd = f"/proc/self/fd/{f.fileno()}"
+        target = by_fd if os.path.exists(by_fd) else step_dir / rel
+        return _torch_load(target, source=source, mmap=True)
+
+
+def read_manifest_dir(step_dir: Path) -> Manifest:
+    """The manifest of a local checkpoint directory: not a symlink, at most
+    MAX_MANIFEST_BYTES read, and its step the one the directory is named after (a directory
+    not named step_N, such as a staging one, is not compared)."""
+    step_dir = Path(step_dir)
+    source = str(step_dir / MANIFEST_NAME)
+    storage, name = _dir_storage(step_dir)
+    try:
+        with storage.open_read(f"{name}/{MANIFEST_NAME}") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except StorageNotFoundError as exc:
         raise IntegrityError(f"{source}: manifest is missing") from exc
-    return Manifest.from_json(raw, source=source)
+    _check_manifest_size(raw, source=source)
+    manifest = Manifest.from_json(raw, source=source)
+    _check_named_step(manifest, parse_step_dir(step_dir.name), source=source)
+    return manifest
 
 
-def verify_dir(step_dir: Path, *, manifest: Manifest | None = None) -> Manifest:
-    """Verify a local checkpoint directory (sizes first: a cheap check before hashing)."""
-    manifest = manifest or read_manifest_dir(step_dir)
-    paths = check_sizes(step_dir, manifest)
+def verify_dir(
+    step_dir: Path,
+    *,
+    manifest: Manifest | None = None,
+    step: int | None = None,
+    counters: bool = True,
+) -> Manifest:
+    """Apply every rule of the module docstring to a local checkpoint directory (sizes first,
+    a cheap check before hashing; the counters last). `step`: the step the caller expects
+    (default: the one in the directory's name). `counters=False` is for `load_state`, which
+    checks the counters of what it deserialised instead of reading them twice."""
+    step_dir = Path(step_dir)
+    if manifest is None:
+        manifest = read_manifest_dir(step_dir)
+    else:
+        _check_named_step(
+            manifest, parse_step_dir(step_dir.name), source=str(step_dir / MANIFEST_NAME)
+        )
+    _check_named_step(manifest, step, source=str(step_dir / MANIFEST_NAME))
+    checked = check_sizes(step_dir, manifest)
     # one sha256 cannot be split across cores, but several files (shards) can be hashed at once
-    workers = max(1, min(len(paths), os.cpu_count() or 1, 8))
+    workers = max(1, min(len(checked), os.cpu_count() or 1, 8))
+
+    def digest(entry: FileEntry) -> str:
+        with _open_local(step_dir, entry.path) as f:
+            size, sha256 = hash_stream(f)
+        if size != entry.size:
+            raise IntegrityError(
+                f"{step_dir / entry.path}: size {size} != {entry.size} in the manifest "
+                "(changed while it was being verified)"
+            )
+        return sha256
+
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-        digests = pool.map(lambda item: sha256_file(item[0])[1], paths)
-        for (_, entry), digest in zip(paths, digests, strict=True):
-            if digest != entry.sha256:
+        digests = pool.map(lambda item: digest(item[1]), checked)
+        for (_, entry), sha256 in zip(checked, digests, strict=True):
+            if sha256 != entry.sha256:
                 raise IntegrityError(
                     f"{step_dir / entry.path}: sha256 mismatch (the file is corrupt)"
                 )
+    if counters:
+        check_payload_counters(step_dir, manifest)
     return manifest
 
 
 def check_sizes(step_dir: Path, manifest: Manifest) -> list[tuple[Path, FileEntry]]:
-    """Every listed file present, inside the directory and of the listed size (no hashing);
-    returns each resolved path with its entry."""
+    """Every listed file present, a regular file inside the directory, neither it nor a
+    directory on its way (the step directory included) a symlink, and of the listed size (no
+    hashing); returns each path with its entry."""
+    step_dir = Path(step_dir)
     root = step_dir.resolve()
+    _refuse_symlink(step_dir, step_dir)
     paths = []
     for entry in manifest.files:
         rel = check_relative_path(entry.path, source=str(step_dir / MANIFEST_NAME))
-        path = (step_dir / rel).resolve()
-        if not path.is_relative_to(root):  # a symlink pointing out of the directory
-            raise IntegrityError(f"{step_dir / rel}: resolves outside the checkpoint directory")
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError as exc:
-            raise IntegrityError(f"{step_dir / rel}: listed in the manifest but missing") from exc
-        if size != entry.size:
+        path = step_dir / rel
+        current = step_dir
+        st: os.stat_result | None = None
+        for part in rel.split("/"):
+            current = current / part
+            try:
+                st = current.lstat()
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise IntegrityError(f"{path}: listed in the manifest but missing") from exc
+            if stat.S_ISLNK(st.st_mode):
+                _refuse_symlink(current, root)
+        assert st is not None
+        if not stat.S_ISREG(st.st_mode):
+            raise IntegrityError(f"{path}: not a regular file; refusing to read it")
+        if st.st_size != entry.size:
             raise IntegrityError(
-                f"{step_dir / rel}: size {size} != {entry.size} in the manifest "
-                "(truncated or replaced)"
+                f"{path}: size {st.st_size} != {entry.size} in the manifest (truncated or replaced)"
             )
         paths.append((path, entry))
     return paths
+
+
+def _refuse_symlink(path: Path, root: Path) -> None:
+    """IntegrityError when `path` is a symlink (checkpoint writers never create one), saying
+    whether it even resolves outside the checkpoint directory `root`."""
+    if not path.is_symlink():
+        return
+    where = (
+        "resolves outside the checkpoint directory"
+        if not path.resolve().is_relative_to(root.resolve())
+        else "points inside the checkpoint directory"
+    )
+    raise IntegrityError(f"{path}: is a symlink ({where}); refusing to follow it")
 
 
 def load_state(
@@ -181,29 +528,32 @@ def load_state(
     mmap: bool = False,
     verified: bool = False,
 ) -> dict[str, Any]:
-    """Verify a local checkpoint, then deserialise its train state (schema migrated to v2).
+    """Verify a local checkpoint, then deserialise its train state (schema migrated to v2)
+    and check its counters against the manifest.
 
     `mmap=True` maps tensors from the file (just read and hashed, so in the page cache)
     instead of copying them: faster and no second copy in memory, but the checkpoint's disk
     space stays in use while those tensors live, even after it is pruned.
     `verified=True`: the caller hashed these files against `manifest` moments ago in this
     process (resolve_resume does); only sizes and paths are checked again."""
-    import torch  # imported here so listing/verifying commands start fast
-
     step_dir = Path(step_dir)
     if verified and manifest is not None:
+        _check_named_step(
+            manifest, parse_step_dir(step_dir.name), source=str(step_dir / MANIFEST_NAME)
+        )
         check_sizes(step_dir, manifest)
     else:
-        manifest = verify_dir(step_dir, manifest=manifest)
+        manifest = verify_dir(step_dir, manifest=manifest, counters=False)
     listed = {f.path: (f.size, f.sha256) for f in manifest.files}
     source = str(step_dir)
     try:
         if manifest.format == FORMAT_TORCH:
             if STATE_FILE not in listed:
                 raise IntegrityError(f"{source}: the manifest does not list {STATE_FILE}")
-            raw = torch.load(
-                step_dir / STATE_FILE, weights_only=True, map_location="cpu", mmap=mmap
-            )
+            with _open_local(step_dir, STATE_FILE) as f:
+                by_fd = f"/proc/self/fd/{f.fileno()}"
+                target = by_fd if mmap and os.path.exists(by_fd) else step_dir / STATE_FILE
+                raw = _torch_load(target, source=source, mmap=mmap)
         elif manifest.format == FORMAT_SHARDED:
             from runner.checkpoint.sharded import read_sharded
 
@@ -222,6 +572,7 @@ def load_state(
         ) from exc
     except (RuntimeError, EOFError, ValueError) as exc:
         raise IntegrityError(f"{source}: payload cannot be deserialised ({exc})") from exc
+    check_counters(manifest, payload_counters(raw, source=source), source=source)
     return migrate_payload(raw, source=source)
 
 

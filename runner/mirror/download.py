@@ -9,6 +9,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.atomic import atomic_write_bytes, fsync_dir
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
@@ -18,8 +19,8 @@ from runner.checkpoint.layout import (
     step_dir_name,
 )
 from runner.checkpoint.manifest import FileEntry, Manifest
-from runner.checkpoint.reader import read_manifest, verify_dir
-from runner.errors import IntegrityError
+from runner.checkpoint.reader import check_payload_counters, read_manifest, verify_dir
+from runner.errors import CheckpointConflictError, IntegrityError, SchemaError
 from runner.mirror.remote_layout import to_local
 from runner.storage.base import ProgressCallback, Storage
 
@@ -41,7 +42,8 @@ def download_checkpoint(
     Files land in a temp directory beside the final one, each checked against the manifest's
     size and sha256; the manifest (the writer's original, attempt dir stripped) is written
     last and the directory renamed into place. IntegrityError when a file does not verify:
-    nothing is left under the final name."""
+    nothing is left under the final name, and likewise when the payload's counters disagree
+    with the manifest. A `file://` source never follows a symlink (FileStorage refuses)."""
     remote = read_manifest(storage, step)
     local = to_local(remote, source=f"{storage.uri}/{checkpoint_key(step)}/{MANIFEST_NAME}")
     ckpt_dir = Path(run_dir) / CHECKPOINTS_DIR
@@ -71,6 +73,10 @@ def download_checkpoint(
             ]
             for job in jobs:
                 job.result()
+        # the same rules as every other check (runner.checkpoint.reader): the files were
+        # hashed as they arrived; the payload's counters must agree with the manifest too,
+        # or a mislabelled checkpoint would be published and only refused when loaded
+        check_payload_counters(staging, local)
         atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
         fsync_dir(staging)
         _publish(staging, final)
@@ -97,14 +103,23 @@ def _holds(step_dir: Path, manifest: Manifest) -> bool:
 
 
 def _publish(staging: Path, final: Path) -> None:
-    """Rename into place; an existing (corrupt or different) directory is moved aside first
-    and deleted only once the new one is in place."""
-    aside: Path | None = None
+    """Rename into place. An existing directory there is replaced only when it fails
+    verification, and it is set aside (RUN_DIR/aside/), never deleted; one that verifies, or
+    of a schema this runner cannot read, stays (CheckpointConflictError)."""
     if final.exists():
-        suffix = f"{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
-        aside = final.with_name(f"{TMP_PREFIX}{final.name}-{suffix}")
-        os.rename(final, aside)
+        try:
+            verify_dir(final)
+        except SchemaError as exc:
+            raise CheckpointConflictError(
+                f"{final} holds a checkpoint this runner cannot read ({exc}); not replacing it "
+                "with the downloaded copy"
+            ) from exc
+        except IntegrityError:
+            set_aside_local(final.parent.parent, final, reason=CORRUPT)
+        else:
+            raise CheckpointConflictError(
+                f"{final} already holds a different checkpoint that verifies; not replacing "
+                "it with the downloaded copy"
+            )
     os.rename(staging, final)
     fsync_dir(final.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)

@@ -1,10 +1,22 @@
-"""file:// backend: a local directory used as a bucket (the embedded default)."""
+"""file:// backend: a local directory used as a bucket (the embedded default).
+
+No symlink below the root is ever followed: checkpoint writers never create one, and a
+location whose files point elsewhere (a `file://` mirror someone else can write, a copied run
+dir) must not make `pull`, `verify` or a resume read outside it. Reads open every component
+with O_NOFOLLOW relative to the previous one (no check-then-open race); a symlink anywhere
+below the root is an IntegrityError "is a symlink; refusing to follow it". The root itself
+may be a symlink (it is what the user named). `list` does not descend into symlinked
+directories and reports symlinked files (their own lstat size) so that reading them fails
+loudly instead of the file silently vanishing.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -32,6 +44,52 @@ class FileStorage:
     def _path(self, key: str) -> Path:
         return self.root / check_key(key, uri=self.uri)
 
+    def _symlink_error(self, key: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self.uri}/{key} is a symlink; refusing to follow it (checkpoint writers never "
+            "create symlinks: the location was tampered with or assembled by hand)"
+        )
+
+    @contextlib.contextmanager
+    def _parent_fd(self, key: str) -> Iterator[tuple[int, str]]:
+        """(fd of the key's parent directory, last name), every directory below the root
+        opened with O_NOFOLLOW. StorageNotFoundError when a directory is missing."""
+        parts = check_key(key, uri=self.uri).split("/")
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        try:
+            fd = os.open(self.root, flags)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+        try:
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    child = os.open(part, flags | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(part, fd):
+                        raise self._symlink_error("/".join(parts[: i + 1])) from exc
+                    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                        raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+                    raise
+                os.close(fd)
+                fd = child
+            yield fd, parts[-1]
+        finally:
+            os.close(fd)
+
+    def _check_no_symlink(self, key: str) -> None:
+        """Before a write or delete: no existing component below the root is a symlink
+        (a write must not land outside the location through one)."""
+        parts = check_key(key, uri=self.uri).split("/")
+        path = self.root
+        for i, part in enumerate(parts):
+            path = path / part
+            try:
+                st = path.lstat()
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            if stat.S_ISLNK(st.st_mode):
+                raise self._symlink_error("/".join(parts[: i + 1]))
+
     @contextlib.contextmanager
     def _os_errors(self, action: str, key: str) -> Iterator[None]:
         """A failing disk or mount (full, read-only, a file where a directory should be)
@@ -56,6 +114,7 @@ class FileStorage:
         progress: ProgressCallback | None = None,
     ) -> None:
         with self._os_errors("write", key):
+            self._check_no_symlink(key)
             dst = self._path(key)
             dst.parent.mkdir(parents=True, exist_ok=True)
             with open(src, "rb") as f, HashingFileWriter(dst) as writer:
@@ -71,6 +130,7 @@ class FileStorage:
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         with self._os_errors("write", key):
+            self._check_no_symlink(key)
             dst = self._path(key)
             dst.parent.mkdir(parents=True, exist_ok=True)
             if not if_absent:
@@ -125,13 +185,43 @@ class FileStorage:
             return f.read()
 
     def open_read(self, key: str) -> BinaryIO:
-        try:
-            return open(self._path(key), "rb")
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-            raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+        """The file at `key`, opened without following any symlink below the root; only a
+        regular file is opened (a FIFO or device would block or never end)."""
+        with self._os_errors("read", key), self._parent_fd(key) as (dir_fd, name):
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open(name, flags, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._symlink_error(key) from exc
+                if exc.errno == errno.ENXIO:  # a socket
+                    raise IntegrityError(
+                        f"{self.uri}/{key} is not a regular file; refusing to read it"
+                    ) from exc
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+                    raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+                raise
+            try:
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISDIR(mode):
+                    raise StorageNotFoundError(f"{self.uri}/{key} does not exist (a directory)")
+                if not stat.S_ISREG(mode):
+                    raise IntegrityError(
+                        f"{self.uri}/{key} is not a regular file; refusing to read it"
+                    )
+                os.set_blocking(fd, True)
+                return os.fdopen(fd, "rb")
+            except BaseException:
+                os.close(fd)
+                raise
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = self.root
+        directory = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if directory:
+            # listing "checkpoints/" through a symlinked checkpoints dir would follow it, and
+            # skipping it would hide every checkpoint: refuse loudly instead
+            self._check_no_symlink(directory)
         for dirpath, dirnames, filenames in os.walk(base):
             # in-progress writes are invisible to readers
             dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
@@ -142,19 +232,30 @@ class FileStorage:
                 key = full.relative_to(base).as_posix()
                 if key.startswith(prefix):
                     try:
-                        st = full.stat()
+                        # lstat: a symlinked file is listed as itself (reading it then
+                        # fails loudly), never as what it points at
+                        st = full.lstat()
                     except FileNotFoundError:
                         continue
                     yield ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime)
 
     def head(self, key: str) -> ObjectInfo:
-        try:
-            st = self._path(key).stat()
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+        """Size of the file at `key`; a symlink anywhere below the root is refused."""
+        with self._os_errors("read", key), self._parent_fd(key) as (dir_fd, name):
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise self._symlink_error(key)
         return ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime)
 
     def delete(self, key: str) -> None:
+        # a symlinked directory on the way would make the delete land outside the location;
+        # a symlink as the last part is removed itself (unlink never follows it)
+        parts = check_key(key, uri=self.uri).split("/")
+        if len(parts) > 1:
+            self._check_no_symlink("/".join(parts[:-1]))
         path = self._path(key)
         try:
             path.unlink()
@@ -172,3 +273,10 @@ class FileStorage:
             except OSError:
                 break
             parent = parent.parent
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
