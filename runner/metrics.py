@@ -36,7 +36,7 @@ __all__ = [
 
 LOCAL = "local"
 REMOTE = "remote"
-FAILURE_STAGES = ("save", "upload", "verify", "restore")
+FAILURE_STAGES = ("save", "upload", "verify", "restore", "loss_log")
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 # Seconds: a tiny CPU checkpoint takes ~0.1 s, a multi-GB upload over a slow link ~10 min.
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -105,7 +105,8 @@ class RunnerMetrics:
         )
         self._failures = Counter(
             "runner_checkpoint_failures",
-            "Checkpoint operations that failed, by stage (save, upload, verify, restore).",
+            "Checkpoint operations that failed, by stage (save, upload, verify, restore, "
+            "loss_log: an append to loss.jsonl).",
             ["stage"],
             registry=reg,
         )
@@ -145,7 +146,7 @@ class RunnerMetrics:
         self._record_success(REMOTE, step)
 
     def checkpoint_failed(self, stage: str) -> None:
-        """One failed attempt at `stage`: save, upload, verify or restore."""
+        """One failed attempt at `stage`: save, upload, verify, restore or loss_log."""
         self._failures.labels(stage=stage).inc()
 
     def train_step(self, step: int) -> None:

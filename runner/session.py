@@ -23,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from runner import runlock
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.manifest import Manifest, created_at_unix
 from runner.checkpoint.reader import (
@@ -87,6 +88,12 @@ class TrainSession:
         self.state = state
         self.stop = stop or StopController()
         self._owned = contextlib.ExitStack()
+        # One writer per run dir (runner/runlock.py), taken before the services start and
+        # before anything is written there: a second process on it exits 2 naming this one.
+        # Released in close(), last; by the kernel if the process dies.
+        self.run_lock = self._owned.enter_context(
+            runlock.acquire(Path(config.run_dir), command="TrainSession")
+        )
         if services is None:
             services = self._owned.enter_context(run_services(config, self.stop))
         self.metrics: RunnerMetrics | None = services.metrics
@@ -101,7 +108,10 @@ class TrainSession:
         self.policy = SavePolicy(
             every_steps=config.ckpt_every, every_seconds=config.ckpt_every_seconds
         )
-        self.loss_log = LossLog(self.run_dir, attempt=config.writer_id)
+        # a full disk never stops training for the loss history: counted, logged, retried
+        self.loss_log = LossLog(
+            self.run_dir, attempt=config.writer_id, on_failure=self._loss_log_failed
+        )
         self.last_checkpoint: CommittedCheckpoint | None = None
         self.resumed_checkpoint: CommittedCheckpoint | None = None
         self.resumed_from: int | None = None
@@ -130,6 +140,10 @@ class TrainSession:
     def close(self) -> None:
         self.loss_log.close()
         self._owned.close()
+
+    def _loss_log_failed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.checkpoint_failed("loss_log")
 
     @property
     def step(self) -> int:

@@ -15,11 +15,14 @@ timestamp and resets them (removes them), and never touches the loss history.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,39 +47,121 @@ class LossEntry:
 
 
 class LossLog:
-    """Append-only loss history of a run dir. Not thread-safe: one writer per process."""
+    """Append-only loss history of a run dir. Not thread-safe: one writer per process.
 
-    def __init__(self, run_dir: Path, *, attempt: str | None = None) -> None:
+    Writing never raises OSError and never leaves a torn line of its own: a failed append
+    (disk full, I/O error) cuts the file back to where that append began, keeps its lines in
+    memory (up to `MAX_PENDING`) and writes them, in order, before the next line once the disk
+    takes writes again. It is reported once per failure streak in the log, once more on
+    recovery, and at every failed attempt through `on_failure` (the session counts it in
+    `runner_checkpoint_failures_total{stage="loss_log"}`). Training and checkpoints go on:
+    the checkpoint carries the loss history too, so a line given up on is restored on resume.
+    """
+
+    MAX_PENDING = 100_000  # lines held while the disk is full (~10 MB); the oldest go first
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        attempt: str | None = None,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
         self.path = Path(run_dir) / LOSS_FILE
         self.attempt = attempt
-        self._file: Any = None
+        self._on_failure = on_failure
+        self._fd: int | None = None
+        self._needs_newline = False
+        self._torn_at: int | None = None  # a failed append that could not be cut back yet
+        self._pending: deque[bytes] = deque()
+        self._failing_since: float | None = None
+        self._failed_attempts = 0
+        self._dropped = 0
+
+    @property
+    def pending_lines(self) -> int:
+        """Lines not yet in the file (the disk refused them); written with the next append."""
+        return len(self._pending)
 
     # -- writing -------------------------------------------------------------------------------
-    def _open(self) -> Any:
-        if self._file is None:
+    def _open(self) -> int:
+        if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            needs_newline = self._ends_without_newline()
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-            if needs_newline:
-                # A crash tore the last line; start ours on a fresh line so both stay parseable.
-                self._file.write("\n")
-        return self._file
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # A crash tore the last line: ours start on a fresh line so both stay parseable
+            # (a reader skips the torn one).
+            self._needs_newline = _ends_without_newline(fd)
+            self._fd = fd
+        return self._fd
 
-    def _ends_without_newline(self) -> bool:
+    def _write(self, record: dict[str, Any]) -> bool:
+        """Append one line (after any the disk refused before); False when it is pending."""
+        if len(self._pending) >= self.MAX_PENDING:
+            self._pending.popleft()
+            self._dropped += 1
+        self._pending.append((json.dumps(record, separators=(",", ":")) + "\n").encode())
         try:
-            with open(self.path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                if f.tell() == 0:
-                    return False
-                f.seek(-1, os.SEEK_END)
-                return f.read(1) != b"\n"
-        except FileNotFoundError:
+            self._flush_pending()
+        except OSError as exc:
+            self._failed(exc)
             return False
+        self._recovered()
+        return True
 
-    def _write(self, record: dict[str, Any]) -> None:
-        f = self._open()
-        f.write(json.dumps(record, separators=(",", ":")) + "\n")
-        f.flush()
+    def _flush_pending(self) -> None:
+        fd = self._open()
+        if self._torn_at is not None:
+            os.ftruncate(fd, self._torn_at)  # the part of a failed append that reached the file
+            self._torn_at = None
+        data = (b"\n" if self._needs_newline else b"") + b"".join(self._pending)
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            # No torn line: cut back to where this append began (freeing space never needs
+            # space); if even that fails, before the next append.
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                self._torn_at = start
+            raise
+        self._needs_newline = False
+        self._pending.clear()
+
+    def _failed(self, exc: OSError) -> None:
+        self._failed_attempts += 1
+        if self._on_failure is not None:
+            self._on_failure()
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            log.error(
+                "%s: could not append (%s); the lines are kept in memory and written once it "
+                "takes writes again, training and checkpoints go on. Free space on that disk",
+                self.path,
+                exc.strerror or exc,
+            )
+
+    def _recovered(self) -> None:
+        if self._failing_since is None:
+            return
+        kept = (
+            f"the held lines are written, except {self._dropped} older one(s) that did not "
+            "fit in memory (the checkpoints still carry the loss history)"
+            if self._dropped
+            else "every held line is written, nothing lost"
+        )
+        log.warning(
+            "%s: appending again after %d failed attempt(s) over %.1f s; %s",
+            self.path,
+            self._failed_attempts,
+            time.monotonic() - self._failing_since,
+            kept,
+        )
+        self._failing_since = None
+        self._failed_attempts = 0
+        self._dropped = 0
 
     def append(self, step: int, loss: float, *, restored_from: str | None = None) -> None:
         """Record the loss of update number `step` (1-based). `restored_from` marks a line
@@ -121,15 +206,37 @@ class LossLog:
         return True
 
     def sync(self) -> None:
-        """fsync the log (call before committing a checkpoint so it is at least as durable)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        """fsync the log (call before committing a checkpoint so it is at least as durable).
+        Never raises: a failure is reported like a failed append."""
+        if self._fd is None and not self._pending:
+            return
+        try:
+            if self._pending or self._torn_at is not None:
+                self._flush_pending()
+            os.fsync(self._open())
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self._recovered()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is None and not self._pending:
+            return
+        if self._pending or self._torn_at is not None:
+            with contextlib.suppress(OSError):
+                self._flush_pending()
+            if self._pending:
+                log.error(
+                    "%s: %d line(s) could not be written before closing (disk full?); the "
+                    "checkpoints carry the loss history, so a resume restores them",
+                    self.path,
+                    len(self._pending),
+                )
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        self._pending.clear()
 
     def __enter__(self) -> LossLog:
         return self
@@ -178,6 +285,11 @@ class LossLog:
             if isinstance(record, dict):
                 records.append(record)
         return records
+
+
+def _ends_without_newline(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
 
 
 class LossFollower:

@@ -28,6 +28,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from runner import runlock
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
@@ -135,11 +136,23 @@ class Supervisor:
         self.attempts = 0
         self._loss = LossFollower(self.run_dir)
         self._step_from_loss = False
+        self._run_lock: runlock.RunDirLock | None = None
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
         """0 when the trainer finished, 75 when stopped (signal or notice); raises
         ChildFailedError once the trainer crashed more than `max_restarts` times."""
+        # One writer per run dir, held for the supervisor's life: a second supervisor or
+        # trainer on it exits 2. A runner child gets the lock's token (`_child_env`) and works
+        # under this lock instead of waiting on it (runner/runlock.py).
+        with runlock.acquire(self.run_dir, command="runner run") as lock:
+            self._run_lock = lock
+            try:
+                return self._run_locked()
+            finally:
+                self._run_lock = None
+
+    def _run_locked(self) -> int:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.writer.cleanup_partial()
         self._adopt(settled=True)  # files left by a trainer whose supervisor died
@@ -404,6 +417,8 @@ class Supervisor:
         env[ENV_RESUME_FORMAT] = resume.manifest.format if resume else ""
         env[ENV_RESUME_STEP] = str(resume.step) if resume else ""
         env[ENV_ATTEMPT] = str(self.attempts)
+        if self._run_lock is not None:
+            env.update(self._run_lock.child_env())
         return env
 
     def _steps_lost(self, resume: ResumePoint | None) -> int:

@@ -49,10 +49,16 @@ def demo(batch_size: int, progress: bool | None, threads: int | None, **kwargs: 
 
     SIGTERM/SIGINT: finish the step, commit the final checkpoint, exit 75.
     SIGUSR1: checkpoint at the end of the current step and keep training."""
-    from runner.demo.job import run_demo
+    from runner import runlock
 
     config = config_from_options(**kwargs)
-    sys.exit(run_demo(config, batch_size=batch_size, progress=progress, threads=threads))
+    # The run dir's lock before torch is imported (a second demo on it exits 2 in a fraction
+    # of a second); TrainSession takes it again, sharing this process's hold.
+    with runlock.acquire(config.run_dir, command="runner demo"):
+        from runner.demo.job import run_demo
+
+        code = run_demo(config, batch_size=batch_size, progress=progress, threads=threads)
+    sys.exit(code)
 
 
 @click.command()
