@@ -122,7 +122,12 @@ class TrainSession:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def __enter__(self) -> TrainSession:
-        self.restore()
+        try:
+            self.restore()
+        except BaseException:
+            # no `with` body, so no __exit__: release the run dir lock and the services here
+            self.close()
+            raise
         return self
 
     def __exit__(

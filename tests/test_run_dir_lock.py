@@ -243,6 +243,23 @@ def test_train_session_refuses_a_locked_run_dir_before_writing_anything(tmp_path
         assert (record["pid"], record["host"], record["command"]) == (os.getpid(), HOST, "next")
 
 
+def test_a_session_that_fails_to_start_releases_the_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(self: TrainSession) -> None:
+        raise RunDirLockedError("stand-in for a refusal while restoring")
+
+    monkeypatch.setattr(TrainSession, "restore", refuse)
+    config = RunConfig(run_dir=tmp_path)
+    with (
+        pytest.raises(RunDirLockedError, match="stand-in"),
+        TrainSession(config, state=object()),  # type: ignore[arg-type]
+    ):
+        pass
+    free, _ = _timed([sys.executable, "-c", HOLDER, str(tmp_path)], input="")
+    assert free.returncode == 0, free.stderr
+
+
 def test_one_process_shares_its_own_hold_and_releases_it_with_the_last(tmp_path: Path) -> None:
     outer = runlock.acquire(tmp_path, command="cli")
     inner = runlock.acquire(tmp_path / ".", command="TrainSession")  # same file, other path
