@@ -27,10 +27,8 @@ from runner import runlock
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.manifest import Manifest, created_at_unix
 from runner.checkpoint.reader import (
-    load_newest_state,
     load_state,
     local_step_dir,
-    read_manifest_dir,
 )
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
@@ -118,6 +116,8 @@ class TrainSession:
         self.exit_code: int | None = None
         self.final_save_seconds: float | None = None
         self.final_upload_landed: bool | None = None
+        # steps committed or resumed from by this process: retention need not re-hash them
+        self._known_good: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -182,6 +182,7 @@ class TrainSession:
                 self.metrics.checkpoint_failed("restore")
             raise
         self.resumed_from = manifest.step
+        self._known_good.add(manifest.step)
         self.resumed_checkpoint = CommittedCheckpoint(
             step=manifest.step, path=step_dir, manifest=manifest
         )
@@ -222,24 +223,33 @@ class TrainSession:
         return counters.step
 
     def _load_newest(self) -> tuple[Manifest, dict[str, Any]] | None:
-        """The newest checkpoint that verifies and loads, from the run dir or the mirror.
+        """The newest checkpoint that verifies and loads, from the run dir or the mirror;
+        None when there is none anywhere. Checkpoints that exist but none usable: the
+        resolver raises UnusableCheckpointsError (exit 3) before anything is written, unless
+        `config.fresh_start` (then they are set aside and this returns None).
 
-        Each file is hashed once: without a mirror right before it is deserialised; with one,
-        by `resolve_resume` while choosing among local and remote checkpoints (a download as
-        it arrives), and `load_state` then re-checks only paths and sizes."""
+        Each file is hashed once, by the resolver while choosing among local and remote
+        checkpoints (a download as it arrives); `load_state` then re-checks paths and sizes."""
+        from runner.mirror.resume import choose_resume
 
         def on_skip(step: int, why: str) -> None:
-            log.warning("not resuming from step %d: %s", step, why)
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("verify")
 
+        def load(step_dir: Path, manifest: Manifest) -> dict[str, Any]:
+            return load_state(step_dir, manifest=manifest, verified=True)
+
         if self.mirror is None:
-            return load_newest_state(self.run_dir, on_skip=on_skip)
-        step_dir = self.mirror.resolve_resume(self.run_dir, on_skip=on_skip)
-        if step_dir is None:
+            choice = choose_resume(
+                self.run_dir, None, load=load, on_skip=on_skip, fresh_start=self.config.fresh_start
+            )
+        else:
+            choice = self.mirror.choose_resume(
+                self.run_dir, load=load, on_skip=on_skip, fresh_start=self.config.fresh_start
+            )
+        if choice is None:
             return None
-        manifest = read_manifest_dir(step_dir)
-        return manifest, load_state(step_dir, manifest=manifest, verified=True)
+        return choice.manifest, choice.loaded
 
     def _mirror_holds(self, step: int) -> bool:
         from runner.errors import StorageError
@@ -329,6 +339,7 @@ class TrainSession:
         duration = time.monotonic() - started
         self.policy.saved(counters.step)
         self.last_checkpoint = committed
+        self._known_good.add(committed.step)
         if self.metrics is not None:
             self.metrics.checkpoint_saved(
                 step=counters.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
@@ -351,7 +362,12 @@ class TrainSession:
 
         protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
         try:
-            prune(FileStorage(self.run_dir), keep=self.config.keep, protect=protect)
+            prune(
+                FileStorage(self.run_dir),
+                keep=self.config.keep,
+                protect=protect,
+                known_good=self._known_good,
+            )
         except (OSError, RunnerError) as exc:  # retention must never fail a run
             log.warning("local retention skipped: %s", exc)
 

@@ -269,7 +269,7 @@ def test_fork_without_step_skips_a_corrupt_newest(
     assert not list((tmp_path / "fork/checkpoints").glob(".tmp-*"))
 
 
-def test_prune_keeps_k_and_never_the_newest_verified(
+def test_prune_keeps_k_usable_and_never_counts_a_corrupt_one(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
     for step in (1, 2, 3, 4, 5):
@@ -281,12 +281,14 @@ def test_prune_keeps_k_and_never_the_newest_verified(
     assert refused.returncode == 2 and "--keep must be >= 2" in refused.stderr
     result = runner("prune", run, "--keep", "2", "--json")
     assert result.returncode == 0, result.stderr
+    # 5 and 4 are corrupt: not counted among the 2 kept (3 and 2), and not deleted either
     assert json.loads(result.stdout) == {
-        "deleted": [1, 2],
+        "deleted": [1],
         "orphans_deleted": [],
         "orphan_bytes": 0,
     }
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000002",
         "step_000003",
         "step_000004",
         "step_000005",

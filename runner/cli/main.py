@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "pivot": "runner.cli.sidecar_cmds:pivot",
     "push": "runner.cli.transfer_cmds:push",
     "pull": "runner.cli.transfer_cmds:pull",
+    "repair": "runner.cli.repair_cmd:repair",
     "status": "runner.cli.status_cmd:status",
 }
 

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
     """Upload the committed checkpoints of RUN_DIR to LOCATION (manifest last, each file
-    verified). Checkpoints already there are skipped; corrupt local ones are reported, not
-    sent, and make the command exit 3."""
+    verified). Checkpoints already there are verified and skipped, or replaced when the copy
+    there is corrupt (set aside first, never one that verifies); corrupt local ones are
+    reported, not sent, and make the command exit 3."""
     from runner.checkpoint.layout import checkpoint_key
     from runner.checkpoint.reader import list_checkpoints, verify_dir
     from runner.errors import RunnerError
@@ -60,7 +61,14 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
             continue
         status = "present" if remote_manifest(storage, s) is not None else "pushed"
         with transfer_progress(manifest.total_bytes, desc=f"push step {s}") as progress:
-            upload_checkpoint(storage, step_dir, writer_id="runner-push", progress=progress)
+            # the copy already there is verified too: a corrupt one is replaced (a heal)
+            upload_checkpoint(
+                storage,
+                step_dir,
+                writer_id="runner-push",
+                progress=progress,
+                verify_existing=True,
+            )
         report.append({"step": s, "status": status, "bytes": manifest.total_bytes})
         if not as_json:
             verb = "already in" if status == "present" else "pushed to"

@@ -1,0 +1,125 @@
+"""`runner repair LOCATION [--from SOURCE]`: heal the corrupt checkpoints of a location.
+
+A corrupt checkpoint in a mirror blocks its step: nodes skip it and fall back to an older
+one, and an upload of that step meets its manifest. `repair` finds every checkpoint at
+LOCATION that fails verification and, for each, puts a verifying copy of that step from
+SOURCE in its place; without SOURCE (or when SOURCE has no good copy) it only sets the corrupt
+one aside, so that the next save of that step can land. A checkpoint that verifies is never
+touched, nor one of a schema this runner cannot read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from runner.errors import IntegrityError, RunnerError, SchemaError
+
+if TYPE_CHECKING:
+    from runner.storage.base import Storage
+
+
+@click.command()
+@click.argument("location")
+@click.option(
+    "--from",
+    "source",
+    default=None,
+    help="Run dir or mirror URI holding good copies of the corrupt steps.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def repair(location: str, source: str | None, as_json: bool) -> None:
+    """Replace every corrupt checkpoint at LOCATION with a verifying copy from --from, or set
+    it aside (kept, no longer counted) when no good copy is given. Exit 0 when every corrupt
+    step was restored, 3 when some could only be set aside."""
+    from runner.checkpoint.aside import CORRUPT, decommit_remote, set_aside_local
+    from runner.checkpoint.layout import checkpoint_key
+    from runner.checkpoint.reader import list_checkpoints, verify_checkpoint, verify_dir
+    from runner.mirror import download_checkpoint, upload_checkpoint
+    from runner.storage import open_existing
+    from runner.storage.file import FileStorage
+
+    target = open_existing(location)
+    origin = open_existing(source) if source is not None else None
+    report: list[dict[str, Any]] = []
+    unrestored: list[int] = []
+    with contextlib.ExitStack() as stack:
+        if isinstance(target, FileStorage) and not location.startswith("file://"):
+            # a run dir: its trainer must not be writing it meanwhile (exit 2 naming it)
+            from runner import runlock
+
+            stack.enter_context(runlock.acquire(target.root, command="runner repair"))
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="runner-repair-"))
+        for step in reversed(list_checkpoints(target)):
+            try:
+                if isinstance(target, FileStorage):
+                    verify_dir(target.root / checkpoint_key(step))
+                else:
+                    verify_checkpoint(target, step)
+            except SchemaError as exc:
+                report.append({"step": step, "status": "unreadable, left alone", "error": str(exc)})
+                continue
+            except IntegrityError as exc:
+                problem = str(exc)
+            else:
+                continue
+            good = _good_copy(origin, step, Path(tmp))
+            if good is not None and isinstance(target, FileStorage):
+                # the writer's rule sets the corrupt local copy aside before the good one lands
+                download_checkpoint(FileStorage(good.parent.parent), step, target.root)
+                status = "restored"
+            elif good is not None:
+                upload_checkpoint(target, good, writer_id="runner-repair", verify_existing=True)
+                status = "restored"
+            elif isinstance(target, FileStorage):
+                set_aside_local(target.root, target.root / checkpoint_key(step), reason=CORRUPT)
+                status = "set aside"
+            else:
+                decommit_remote(target, step, reason=CORRUPT)
+                status = "set aside"
+            if status != "restored":
+                unrestored.append(step)
+            report.append({"step": step, "status": status, "error": problem})
+    if as_json:
+        click.echo(json.dumps({"location": target.uri, "checkpoints": report}, indent=2))
+    else:
+        for row in report:
+            click.echo(f"step {row['step']}: {row['status']} ({row['error']})")
+        if not report:
+            click.echo(f"{target.uri}: every checkpoint verifies; nothing to repair")
+    if unrestored:
+        hint = (
+            f"{source} has no verifying copy of them"
+            if source is not None
+            else "give --from RUN_DIR_OR_MIRROR with good copies to restore them"
+        )
+        raise IntegrityError(
+            f"step(s) {', '.join(map(str, unrestored))} of {target.uri} were corrupt and are set "
+            f"aside (kept under aside/, no longer resumed from); {hint}. The next save of "
+            "those steps can now land"
+        )
+
+
+def _good_copy(origin: Storage | None, step: int, tmp: Path) -> Path | None:
+    """A local, verified directory of `step` from the source location, or None."""
+    from runner.checkpoint.layout import checkpoint_key
+    from runner.checkpoint.reader import list_checkpoints, verify_dir
+    from runner.mirror import download_checkpoint
+    from runner.storage.file import FileStorage
+
+    if origin is None or step not in list_checkpoints(origin):
+        return None
+    try:
+        if isinstance(origin, FileStorage):
+            step_dir = origin.root / checkpoint_key(step)
+            verify_dir(step_dir)
+            return Path(step_dir)
+        return download_checkpoint(origin, step, tmp / "copy")
+    except RunnerError as exc:
+        click.echo(f"step {step}: the copy in {origin.uri} is not usable either: {exc}", err=True)
+        return None
