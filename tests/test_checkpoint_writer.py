@@ -244,7 +244,9 @@ def test_cleanup_never_touches_a_write_in_progress_in_this_process(tmp_path: Pat
     t.join()
     assert removed == []
     assert len(seen[0]) == 1 and seen[0][0].startswith(".tmp-step_000001-")
-    assert verify_dir(tmp_path / "checkpoints" / "step_000001").step == 1
+    # counters=False: the payload is a dict subclass (the pause hook), which weights-only
+    # loading refuses; only the files are what this test checks
+    assert verify_dir(tmp_path / "checkpoints" / "step_000001", counters=False).step == 1
 
 
 def test_sharded_layout_indexes_every_shard_and_round_trips(tmp_path: Path) -> None:
@@ -311,4 +313,6 @@ def test_adopt_moves_files_in_and_gives_them_back_on_failure(tmp_path: Path) -> 
     )
     ckpt = _writer(tmp_path).adopt_files({"step_000004.bin": src}, meta=good, format="seed-bin")
     assert not src.exists()
-    assert verify_dir(ckpt.path).files[0].sha256 == hashlib.sha256(b"seed bytes").hexdigest()
+    # counters=False: "seed bytes" is no real seed header (its step would not be 4)
+    listed = verify_dir(ckpt.path, counters=False).files[0]
+    assert listed.sha256 == hashlib.sha256(b"seed bytes").hexdigest()
