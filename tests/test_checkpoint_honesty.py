@@ -17,6 +17,7 @@ import pytest
 from runner.checkpoint.atomic import sha256_file
 from runner.checkpoint.layout import checkpoint_key
 from tests.demo_process import logged_steps, run_demo
+from tests.fixtures.ckpt import SaveCheckpoint
 from tests.fixtures.s3 import SeaweedS3
 
 FORGED = 999_999_999
@@ -179,3 +180,49 @@ def test_lying_checkpoints_in_s3_are_refused_by_verify_and_pull(
     assert refused.returncode == 3, refused
     assert "(step: manifest 20, payload 10;" in refused.stderr
     assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == ["step_000030"]
+
+
+def test_hostile_manifests_are_refused_by_the_cli_without_reading_them_whole(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint
+) -> None:
+    """A 4 GiB (sparse) manifest and one listing 100001 files: `verify`, `status` and
+    `inspect` refuse them with exit 3, quickly and in bounded memory; the good step stays
+    the resume point."""
+    import time
+
+    save_checkpoint(1)
+    huge = save_checkpoint(2)
+    many = save_checkpoint(3)
+    with open(huge.path / "manifest.json", "r+b") as f:
+        f.truncate(4 * 1024**3)
+    data = json.loads((many.path / "manifest.json").read_bytes())
+    entry = data["files"][0]
+    data["files"] = [{**entry, "path": f"f{i:06d}"} for i in range(100_001)]
+    (many.path / "manifest.json").write_text(json.dumps(data))
+    run = tmp_path / "run"
+
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "verify", str(run), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    _, wait_status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(wait_status)
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 3, out
+    # this child alone (ru_maxrss in KiB): torch and all, far below the 4 GiB it refused
+    assert usage.ru_maxrss < 1024 * 1024
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert rows[1]["ok"] and not rows[2]["ok"] and not rows[3]["ok"]
+    assert "manifest.json: larger than the 16777216 bytes a manifest may have" in rows[2]["error"]
+    assert "lists 100001 files, more than the 100000 a checkpoint may have" in rows[3]["error"]
+    status = runner("status", run, "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)[0]["newest_verified"]["step"] == 1
+    inspected = runner("inspect", huge.path)
+    assert inspected.returncode == 3 and "more than the 16777216 a manifest may have" in (
+        inspected.stderr
+    )

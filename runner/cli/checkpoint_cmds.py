@@ -163,7 +163,13 @@ def inspect(path: Path, as_json: bool) -> None:
                 f"{path}: not a seed .bin, a manifest.json, or a checkpoint directory holding "
                 "one; pass the checkpoint directory (e.g. RUN_DIR/checkpoints/step_000100)"
             )
-        manifest = Manifest.from_json(manifest_path.read_bytes(), source=str(manifest_path))
+        from runner.checkpoint.manifest import MAX_MANIFEST_BYTES
+
+        # read bounded, as every reader does (from_json refuses what is over the bound);
+        # shown even when it disagrees with its directory: `verify` judges, inspect shows
+        with open(manifest_path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        manifest = Manifest.from_json(raw, source=str(manifest_path))
         info = {"kind": "manifest", "path": str(manifest_path), **json.loads(manifest.to_json())}
     if as_json:
         _echo_json(info)
