@@ -41,7 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from runner.checkpoint.atomic import hash_stream
 from runner.checkpoint.layout import (
@@ -241,7 +241,7 @@ def _as_int(value: object, *, name: str, source: str) -> int:
     return value
 
 
-def _torch_load(path: Path | str, *, source: str, mmap: bool) -> Any:
+def _torch_load(path: Path | str | BinaryIO, *, source: str, mmap: bool) -> Any:
     """torch.load(weights_only=True) with the loader's failures as IntegrityError."""
     import torch
 
@@ -408,9 +408,12 @@ def _load_local(step_dir: Path, rel: str) -> Any:
     without following a symlink: torch maps the already-open file through /proc/self/fd."""
     source = str(step_dir / rel)
     with _open_local(step_dir, rel) as f:
+        # only torch's zip format can be mapped; a legacy (pre-1.6) file is read whole
+        zipped = f.read(4) == b"PK\x03\x04"
+        f.seek(0)
         by_fd = f"/proc/self/fd/{f.fileno()}"
         target = by_fd if os.path.exists(by_fd) else step_dir / rel
-        return _torch_load(target, source=source, mmap=True)
+        return _torch_load(target if zipped else f, source=source, mmap=zipped)
 
 
 def read_manifest_dir(step_dir: Path) -> Manifest:
