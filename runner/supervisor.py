@@ -242,15 +242,23 @@ class Supervisor:
         code = child.finish()
         self._adopt(settled=True)
         if stop_sent_at is not None:
-            return self._finish_stop(code, stop_sent_at)
+            return self._unless_lost(self._finish_stop(code, stop_sent_at))
         self._report_step()
         if code == EXIT_OK:
             log.info("trainer finished (exit 0)")
-            return self._finish_mirrored()
+            return self._unless_lost(self._finish_mirrored())
         if code == EXIT_PREEMPTED:
             log.warning("trainer exited 75 on its own (preempted); passing it on")
-            return EXIT_PREEMPTED
+            return self._unless_lost(EXIT_PREEMPTED)
         raise ChildCrashed(code)
+
+    def _unless_lost(self, code: int) -> int:
+        """`code`, unless the trainer's newest checkpoint was rejected (or left open for
+        writing) and nothing later was committed: then exit 3 (CheckpointNotAdoptedError),
+        after the mirror work above, so that no one takes the run for done or safely stopped."""
+        newest = self.last_checkpoint.step if self.last_checkpoint is not None else None
+        self.adopter.raise_if_lost(newest)
+        return code
 
     def _watch(self, child: ChildProcess) -> float | None:
         """Forward signals and adopt checkpoints until the trainer exits. Returns when the

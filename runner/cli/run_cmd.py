@@ -53,7 +53,11 @@ def run(
     SIGTERM/SIGINT/SIGUSR1 are forwarded to its process group; crashes are restarted with
     exponential backoff up to --max-restarts.
 
-    Exit codes: 0 the trainer finished, 75 stopped by a signal or a preemption notice.
+    Only finished files are adopted: renamed into place, or any once the trainer exited;
+    never one still open for writing.
+
+    Exit codes: 0 the trainer finished, 75 stopped by a signal or a preemption notice, 3 its
+    newest checkpoint was rejected (kept as .rejected) and no later one was committed.
     """
     config = RunConfig(
         run_dir=Path(run_dir),
