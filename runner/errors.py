@@ -59,7 +59,12 @@ class CheckpointWriteError(StorageError):
 
 class CheckpointConflictError(CheckpointWriteError):
     """A checkpoint of the same step already exists and verifies (or is of a schema/format
-    this runner does not read) with other contents: it is never replaced."""
+    this runner does not read) with other contents: it is never replaced. `kept` is where
+    the save that lost was set aside, when it was."""
+
+    def __init__(self, message: str, *, kept: object = None) -> None:
+        super().__init__(message)
+        self.kept = kept
 
 
 class StorageTransientError(StorageError):

@@ -136,6 +136,8 @@ class Supervisor:
         self.attempts = 0
         self._loss = LossFollower(self.run_dir)
         self._step_from_loss = False
+        # steps adopted by this process: retention need not re-hash them
+        self._known_good: set[int] = set()
         self._run_lock: runlock.RunDirLock | None = None
 
     # -- the whole run -------------------------------------------------------------------------
@@ -200,7 +202,12 @@ class Supervisor:
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
         self.attempts += 1
-        resume = find_resume(self.run_dir, resolve=self.resolve_resume, on_skip=self._skipped)
+        resume = find_resume(
+            self.run_dir,
+            resolve=self.resolve_resume,
+            on_skip=self._skipped,
+            fresh_start=self.config.fresh_start,
+        )
         self._report_resume(resume)
         if resume is not None and (
             self.last_checkpoint is None or self.last_checkpoint.step < resume.step
@@ -371,6 +378,7 @@ class Supervisor:
                 FileStorage(self.run_dir),
                 keep=self.config.keep,
                 newest_ok=adopted[-1].checkpoint.step,
+                known_good=self._known_good,
             )
         if self.adopter.rejected and self.metrics is not None:
             for _ in self.adopter.rejected:
@@ -379,7 +387,7 @@ class Supervisor:
         return adopted
 
     def _skipped(self, step: int, why: str) -> None:
-        log.warning("not resuming from step %d: %s", step, why)
+        # the resolver has logged it
         if self.metrics is not None:
             self.metrics.checkpoint_failed("verify")
 

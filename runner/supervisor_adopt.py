@@ -21,15 +21,13 @@ from pathlib import Path
 
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
-    checkpoint_key,
     parse_seed_bin,
     seed_bin_name,
 )
 from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
-from runner.checkpoint.reader import newest_verified, read_manifest_dir
+from runner.checkpoint.reader import read_manifest_dir
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
-from runner.errors import IntegrityError
-from runner.storage.file import FileStorage
+from runner.errors import CheckpointConflictError, IntegrityError
 from runner.supervisor_files import DirWatch, open_for_writing
 
 log = logging.getLogger(__name__)
@@ -190,12 +188,12 @@ class SeedAdopter:
 
     def raise_if_lost(self, newest_step: int | None) -> None:
         """IntegrityError (exit 3) when a seed file the trainer wrote was not adopted and no
-        checkpoint of a later step was committed: the run ended without the checkpoint the
-        trainer meant to leave, and must not report success."""
+        checkpoint of a later step was committed (one of the same step is an older one, not
+        what the trainer meant to leave): the run must not report success."""
         lost = [
             item
             for item in self.not_adopted.values()
-            if newest_step is None or item.step > newest_step
+            if newest_step is None or item.step >= newest_step
         ]
         if not lost:
             return
@@ -223,6 +221,16 @@ class SeedAdopter:
             )
         except IntegrityError as exc:
             self._reject(path, f"{exc} (checked {judged})" if judged else str(exc))
+            return None
+        except CheckpointConflictError as exc:
+            # a good checkpoint of that step exists with other contents: it stays, and the
+            # trainer's file was set aside by the writer (its bytes kept there)
+            kept = exc.kept if isinstance(exc.kept, Path) else path
+            self.rejected.append(kept)
+            self.not_adopted[path.name] = NotAdopted(
+                name=path.name, step=parse_seed_bin(path.name) or 0, path=kept, why=str(exc)
+            )
+            log.error("trainer checkpoint %s NOT adopted: %s", path.name, exc)
             return None
         seconds = time.monotonic() - start
         log.info(
@@ -271,23 +279,27 @@ ResolveResume = Callable[[Path, SkipCallback | None], Path | None]
 
 
 def find_resume(
-    run_dir: Path, *, resolve: ResolveResume | None = None, on_skip: SkipCallback | None = None
+    run_dir: Path,
+    *,
+    resolve: ResolveResume | None = None,
+    on_skip: SkipCallback | None = None,
+    fresh_start: bool = False,
 ) -> ResumePoint | None:
-    """The newest checkpoint that verifies, or None. `resolve(run_dir, on_skip)` may return
-    the local step directory to use (e.g. downloaded from the mirror); otherwise the run dir
-    is scanned. Each newer checkpoint that fails verification goes to `on_skip(step, why)`."""
+    """The newest checkpoint that verifies, or None when there is none. `resolve(run_dir,
+    on_skip)` may return the local step directory to use (e.g. downloaded from the mirror);
+    otherwise the run dir alone is resolved. Each newer checkpoint that fails verification
+    goes to `on_skip(step, why)`. Checkpoints that exist with none usable raise
+    UnusableCheckpointsError (runner.mirror.resume: resume or refuse)."""
+    from runner.mirror.resume import resolve_resume
+
     run_dir = Path(run_dir)
     if resolve is not None:
         step_dir = resolve(run_dir, on_skip)
-        if step_dir is None:
-            return None
-        manifest = read_manifest_dir(step_dir)
     else:
-        found = newest_verified(FileStorage(run_dir), on_skip=on_skip)
-        if found is None:
-            return None
-        manifest = found
-        step_dir = run_dir / checkpoint_key(manifest.step)
+        step_dir = resolve_resume(run_dir, None, on_skip=on_skip, fresh_start=fresh_start)
+    if step_dir is None:
+        return None
+    manifest = read_manifest_dir(step_dir)
     return ResumePoint(
         step=manifest.step,
         step_dir=step_dir,

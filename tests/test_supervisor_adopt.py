@@ -169,3 +169,26 @@ def test_renamed_file_is_adopted_and_mirrored_while_the_trainer_runs(tmp_path: P
     written = _written(out, 3)
     _assert_committed(run_dir, 3, written)
     assert verify_checkpoint(FileStorage(mirror), 3).files[0].sha256 == written
+
+
+def test_file_of_a_step_that_already_holds_another_good_checkpoint_is_kept_aside_exit_3(
+    tmp_path: Path,
+) -> None:
+    import struct
+
+    run_dir = tmp_path / "run"
+    other = tmp_path / "step_000007.bin"  # step 7 with other weights, committed first
+    other.write_bytes(struct.pack("<ii", 7, 64) + struct.pack("<192f", *([0.5] * 192)))
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", "convert", str(other), str(run_dir)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    before = _sha(_committed_bin(run_dir, 7))
+    code, out = _run(run_dir, "inplace", "7")
+    assert code == 3, out
+    assert "NOT adopted" in out and "never replaced" in out
+    assert _sha(_committed_bin(run_dir, 7)) == before  # the good checkpoint stays
+    (kept,) = (run_dir / "aside").iterdir()  # and the trainer's file is kept, whole
+    assert _sha(kept / "step_000007.bin") == _written(out, 7)

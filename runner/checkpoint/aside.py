@@ -69,7 +69,11 @@ def decommit_remote(storage: Storage, step: int, *, reason: str) -> str:
     """De-commit a mirror's checkpoint: copy its manifest aside, then delete the original.
     Returns the aside record's key. Raises StorageError when the copy cannot be written (the
     checkpoint then stays committed: nothing is deleted before its record exists)."""
-    raw = storage.get_bytes(manifest_key(step))
+    if storage.head(manifest_key(step)).size > _MAX_RECORD_BYTES:
+        # no manifest of ours is that large: keep a note, not gigabytes in memory
+        raw = b'{"note": "the de-committed manifest was too large to copy"}\n'
+    else:
+        raw = storage.get_bytes(manifest_key(step))
     key = f"{ASIDE_DIR}/{aside_name(step_dir_name(step), reason)}/{ASIDE_MANIFEST}"
     storage.put_bytes(key, raw, if_absent=True)
     storage.delete(manifest_key(step))

@@ -110,14 +110,28 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     key = manifest_key(step)
     source = f"{storage.uri}/{key}"
     try:
-        with storage.open_read(key) as stream:
-            raw = stream.read(MAX_MANIFEST_BYTES + 1)
+        raw = read_manifest_bytes(storage, key)
     except StorageNotFoundError as exc:
         raise IntegrityError(f"{source}: manifest is missing") from exc
-    _check_manifest_size(raw, source=source)
     manifest = Manifest.from_json(raw, source=source)
     _check_named_step(manifest, step, source=source)
     return manifest
+
+
+def read_manifest_bytes(storage: Storage, key: str) -> bytes:
+    """A manifest's raw bytes, bounded: its size is asked first and one larger than
+    MAX_MANIFEST_BYTES is refused unread; then one whole-object read, which the backend
+    retries like any other request (a streamed read cut mid-way would not be).
+    StorageNotFoundError when absent."""
+    source = f"{storage.uri}/{key}"
+    if storage.head(key).size > MAX_MANIFEST_BYTES:
+        raise IntegrityError(
+            f"{source}: larger than the {MAX_MANIFEST_BYTES} bytes a manifest may have; not "
+            "read, refusing it"
+        )
+    raw = storage.get_bytes(key)
+    _check_manifest_size(raw, source=source)  # it grew between the two requests
+    return raw
 
 
 def _check_manifest_size(raw: bytes, *, source: str) -> None:

@@ -357,7 +357,8 @@ class CheckpointWriter:
             f"{final} already exists and {why}: a checkpoint that verifies is never replaced. "
             f"This save was not committed; it is kept as {kept}. Two runs may be writing "
             "this run dir, or the run resumed from an older step than it should: check "
-            "`runner ls --verify` and use another --run-dir for a new run"
+            "`runner ls --verify` and use another --run-dir for a new run",
+            kept=kept,
         )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from runner.checkpoint.aside import CORRUPT, decommit_remote
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import read_manifest_dir, verify_checkpoint
+from runner.checkpoint.reader import read_manifest_bytes, read_manifest_dir, verify_checkpoint
 from runner.errors import (
     IntegrityError,
     RunnerError,
@@ -35,11 +35,10 @@ def remote_manifest(storage: Storage, step: int) -> Manifest | None:
     """The mirror's manifest of a step, None when the step has none (or an unreadable one)."""
     key = manifest_key(step)
     try:
-        raw = storage.get_bytes(key)
+        raw = read_manifest_bytes(storage, key)
+        return Manifest.from_json(raw, source=f"{storage.uri}/{key}")
     except StorageNotFoundError:
         return None
-    try:
-        return Manifest.from_json(raw, source=f"{storage.uri}/{key}")
     except IntegrityError:
         return None
 
@@ -140,15 +139,14 @@ def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | 
     step = local.step
     where = f"{storage.uri}/{manifest_key(step)}"
     try:
-        raw = storage.get_bytes(manifest_key(step))
-    except StorageNotFoundError:
-        return None
-    try:
+        raw = read_manifest_bytes(storage, manifest_key(step))  # too large: IntegrityError
         existing = Manifest.from_json(raw, source=where)
         if same_checkpoint(existing, local) and not verify:
             log.info("checkpoint step %d is already in %s", step, storage.uri)
             return existing
         verified = verify_checkpoint(storage, step)
+    except StorageNotFoundError:
+        return None
     except SchemaError as exc:
         raise StorageConflictError(
             f"{storage.uri} holds a checkpoint at step {step} that this runner cannot read "
