@@ -43,6 +43,12 @@ class SchemaError(IntegrityError):
     """A manifest or payload has a schema version this runner cannot read."""
 
 
+class PayloadNotLoadableError(SchemaError):
+    """A payload whose bytes match its manifest that this runner (its torch) cannot
+    deserialise: objects weights-only loading refuses, a newer serialisation. Not corrupt:
+    possibly good for another version, so it is never replaced or deleted, only refused."""
+
+
 class UnusableCheckpointsError(IntegrityError):
     """Checkpoints exist (locally or in the mirror) and none verifies and loads: training
     refuses to start rather than begin again at step 0 and replace them."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from runner.checkpoint.atomic import fsync_dir
 from runner.checkpoint.layout import CHECKPOINTS_DIR, manifest_key, step_dir_name
-from runner.errors import RunnerError
+from runner.errors import RunnerError, StorageConflictError, StorageNotFoundError
 from runner.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -65,18 +65,43 @@ def set_aside_local(run_dir: Path, path: Path, *, reason: str, name: str | None 
     return target
 
 
-def decommit_remote(storage: Storage, step: int, *, reason: str) -> str:
+def decommit_remote(
+    storage: Storage, step: int, *, reason: str, expected: bytes | None = None
+) -> str | None:
     """De-commit a mirror's checkpoint: copy its manifest aside, then delete the original.
-    Returns the aside record's key. Raises StorageError when the copy cannot be written (the
-    checkpoint then stays committed: nothing is deleted before its record exists)."""
-    if storage.head(manifest_key(step)).size > _MAX_RECORD_BYTES:
-        # no manifest of ours is that large: keep a note, not gigabytes in memory
-        raw = b'{"note": "the de-committed manifest was too large to copy"}\n'
-    else:
-        raw = storage.get_bytes(manifest_key(step))
+    Returns the aside record's key, None when the manifest is already gone (another node
+    de-committed it). `expected`: the manifest bytes the caller judged; when the step now
+    holds another manifest (a good upload landed meanwhile) nothing is deleted and
+    StorageConflictError is raised. Raises StorageError when the copy cannot be written
+    (the checkpoint then stays committed: nothing is deleted before its record exists)."""
+    key_now = manifest_key(step)
+    try:
+        if storage.head(key_now).size > _MAX_RECORD_BYTES:
+            # no manifest of ours is that large: keep a note, not gigabytes in memory
+            raw = b'{"note": "the de-committed manifest was too large to copy"}\n'
+        else:
+            raw = storage.get_bytes(key_now)
+    except StorageNotFoundError:
+        return None
+    if expected is not None and raw != expected:
+        raise StorageConflictError(
+            f"{storage.uri}/{key_now} changed while it was being judged (another writer "
+            "replaced it); not de-committing it"
+        )
     key = f"{ASIDE_DIR}/{aside_name(step_dir_name(step), reason)}/{ASIDE_MANIFEST}"
     storage.put_bytes(key, raw, if_absent=True)
-    storage.delete(manifest_key(step))
+    # the narrowest window left: re-read just before the delete (object stores have no
+    # compare-and-delete every backend supports)
+    if expected is not None:
+        try:
+            if storage.get_bytes(key_now) != expected:
+                raise StorageConflictError(
+                    f"{storage.uri}/{key_now} changed while it was being de-committed; left "
+                    "in place (its earlier version is recorded at " + key + ")"
+                )
+        except StorageNotFoundError:
+            return key
+    storage.delete(key_now)
     log.warning(
         "de-committed checkpoint step %d in %s (%s): its manifest is kept as %s/%s%s",
         step,

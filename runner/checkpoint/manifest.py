@@ -250,7 +250,8 @@ def stored_counters(manifest: Manifest) -> tuple[str, ...]:
     those the v1 file had (`step` at least), never a default or a derived value."""
     if manifest.extra.get("migrated_from") != "1":
         return V1_MANIFEST_COUNTERS
+    # `extra` is part of what a forger can edit: the step is compared whatever it says
     listed = manifest.extra.get("v1_counters")
     if not isinstance(listed, list):
         return ("step",)
-    return tuple(name for name in V1_MANIFEST_COUNTERS if name in listed)
+    return tuple(name for name in V1_MANIFEST_COUNTERS if name == "step" or name in listed)

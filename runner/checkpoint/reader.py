@@ -63,7 +63,13 @@ from runner.checkpoint.manifest import (
     stored_counters,
 )
 from runner.checkpoint.payload import migrate_payload, payload_schema
-from runner.errors import IntegrityError, RunnerError, SchemaError, StorageNotFoundError
+from runner.errors import (
+    IntegrityError,
+    PayloadNotLoadableError,
+    RunnerError,
+    SchemaError,
+    StorageNotFoundError,
+)
 from runner.storage.base import Storage
 from runner.storage.file import FileStorage
 
@@ -262,12 +268,14 @@ def _torch_load(path: Path | str | BinaryIO, *, source: str, mmap: bool) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as exc:
-        raise IntegrityError(
+        raise PayloadNotLoadableError(
             f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
             "it was not written by spot-runner and was not executed"
         ) from exc
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise IntegrityError(f"{source}: payload cannot be deserialised ({exc})") from exc
+        raise PayloadNotLoadableError(
+            f"{source}: payload cannot be deserialised by this torch ({exc})"
+        ) from exc
 
 
 def _attempt_prefix(manifest: Manifest) -> str:
@@ -391,12 +399,14 @@ def _torch_load_bytes(data: bytes, *, source: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        raise IntegrityError(
+        raise PayloadNotLoadableError(
             f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
             "it was not written by spot-runner and was not executed"
         ) from exc
     except (RuntimeError, EOFError, ValueError) as exc:
-        raise IntegrityError(f"{source}: payload cannot be deserialised ({exc})") from exc
+        raise PayloadNotLoadableError(
+            f"{source}: payload cannot be deserialised by this torch ({exc})"
+        ) from exc
 
 
 # -- local ----------------------------------------------------------------------------------
@@ -583,12 +593,14 @@ def load_state(
         else:
             raise SchemaError(f"{source}: unknown checkpoint format {manifest.format!r}")
     except pickle.UnpicklingError as exc:
-        raise IntegrityError(
+        raise PayloadNotLoadableError(
             f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
             "it was not written by spot-runner and was not executed"
         ) from exc
     except (RuntimeError, EOFError, ValueError) as exc:
-        raise IntegrityError(f"{source}: payload cannot be deserialised ({exc})") from exc
+        raise PayloadNotLoadableError(
+            f"{source}: payload cannot be deserialised by this torch ({exc})"
+        ) from exc
     check_counters(manifest, payload_counters(raw, source=source), source=source)
     return migrate_payload(raw, source=source)
 

@@ -16,8 +16,10 @@ from runner.checkpoint.aside import protected_keys
 from runner.checkpoint.atomic import fsync_dir
 from runner.checkpoint.layout import TMP_PREFIX, checkpoint_key, manifest_key
 from runner.checkpoint.reader import (
+    check_payload_counters,
     list_checkpoints,
     read_manifest,
+    verify_checkpoint,
     verify_dir,
 )
 from runner.errors import (
@@ -42,6 +44,7 @@ def prune(
     protect: set[int] | frozenset[int] = frozenset(),
     newest_ok: int | None = None,
     known_good: set[int] | None = None,
+    remote_sizes_only: bool = False,
 ) -> list[int]:
     """Keep the newest `keep` checkpoints that are usable; delete older ones. Returns the
     deleted steps.
@@ -50,10 +53,12 @@ def prune(
     the K-th kept is left alone (a heal may still replace it). One of a schema this runner
     cannot read is never deleted at all (it may be good for another version), nor is any step
     in `protect`. How "usable" is checked: steps in `known_good` (and `newest_ok`) are taken
-    as good, e.g. what this process committed or uploaded itself; in a run dir every other
-    candidate is hashed (`verify_dir`); in a mirror its manifest is read and every file's size
-    compared (hashing a remote copy means downloading it). Steps found good are added to
-    `known_good`, so a caller that keeps the set hashes each checkpoint once."""
+    as good, e.g. what this process committed or uploaded itself; every other candidate is
+    verified (sizes, sha256, counters; a remote one streamed), except that with
+    `remote_sizes_only` a mirror's candidate is checked by manifest and sizes only (the
+    background mirror: hashing a remote copy means downloading it, and what it trusts most it
+    uploaded itself). Steps found good are added to `known_good`, so a caller that keeps the
+    set checks each checkpoint once."""
     if keep < MIN_KEEP:
         raise ConfigError(
             f"--keep must be >= {MIN_KEEP} (got {keep}): the newest checkpoint may still be in "
@@ -69,7 +74,7 @@ def prune(
     deleted = []
     for step in reversed(steps):
         if counted < keep:
-            if step in good or _usable(storage, step):
+            if step in good or _usable(storage, step, sizes_only=remote_sizes_only):
                 good.add(step)
                 counted += 1
             continue
@@ -83,12 +88,14 @@ def prune(
     return deleted
 
 
-def _usable(storage: Storage, step: int) -> bool:
+def _usable(storage: Storage, step: int, *, sizes_only: bool) -> bool:
     try:
         if isinstance(storage, FileStorage):
             verify_dir(storage.root / checkpoint_key(step))
-        else:
+        elif sizes_only:
             check_remote_sizes(storage, step)
+        else:
+            verify_checkpoint(storage, step)
     except RunnerError as exc:
         log.warning(
             "retention: checkpoint step %d at %s is not counted as kept: %s",
@@ -117,9 +124,12 @@ def check_remote_sizes(storage: Storage, step: int) -> None:
 
 
 def _foreign(storage: Storage, step: int) -> bool:
-    """True when the step's manifest is of a schema this runner cannot read."""
+    """True when the step's manifest is of a schema this runner cannot read or, in a run dir,
+    its payload is one this runner cannot load (read mapped: no hashing, no full read)."""
     try:
-        read_manifest(storage, step)
+        manifest = read_manifest(storage, step)
+        if isinstance(storage, FileStorage):
+            check_payload_counters(storage.root / checkpoint_key(step), manifest)
     except SchemaError as exc:
         log.warning("retention: leaving step %d at %s alone: %s", step, storage.uri, exc)
         return True

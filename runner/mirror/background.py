@@ -223,6 +223,7 @@ class Mirror:
                 protect=protect | {newest_ok},
                 newest_ok=newest_ok,
                 known_good=self._known_good,
+                remote_sizes_only=True,
             )
             # debris only matters once a day old: one listing and a manifest read per step an
             # hour is enough, not after every upload
@@ -269,7 +270,8 @@ class Mirror:
         if choice is not None:
             with self._cond:
                 self._suspect |= {r.step for r in choice.refused if r.remote is not None}
-                self._known_good.add(choice.manifest.step)
+                if choice.from_mirror:  # a local choice says nothing of the mirror's copy
+                    self._known_good.add(choice.manifest.step)
         return choice
 
     def resolve_resume(

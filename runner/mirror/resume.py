@@ -13,17 +13,26 @@ setting left on in a deploy file never discards a good checkpoint.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote, set_aside_local
-from runner.checkpoint.layout import CHECKPOINTS_DIR, parse_seed_bin, parse_step_dir
+from runner.checkpoint.atomic import fsync_dir
+from runner.checkpoint.layout import (
+    CHECKPOINTS_DIR,
+    TMP_PREFIX,
+    parse_seed_bin,
+    parse_step_dir,
+    step_dir_name,
+)
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.reader import list_checkpoints, read_manifest_dir, verify_dir
 from runner.errors import (
-    CheckpointConflictError,
     IntegrityError,
     RunnerError,
     SchemaError,
@@ -65,6 +74,8 @@ class ResumeChoice:
     """What `load` returned (e.g. the train-state dict); None without a `load`."""
     refused: list[Refusal] = field(default_factory=list)
     """Newer checkpoints that were skipped on the way to this one."""
+    from_mirror: bool = False
+    """Downloaded from the mirror (so the mirror's copy verified just now)."""
 
 
 def choose_resume(
@@ -97,6 +108,7 @@ def choose_resume(
             on_skip(refusal.step, refusal.why)
 
     for step in sorted(set(local_steps) | remote_steps, reverse=True):
+        local_refusal: Refusal | None = None
         if step in local_steps:
             step_dir = local_steps[step]
             choice = _try_local(step, step_dir, load=load, refuse=refuse)
@@ -104,22 +116,12 @@ def choose_resume(
                 log.info("resuming from local checkpoint step %d", step)
                 choice.refused = refused
                 return choice
+            local_refusal = refused[-1]
         if mirror is not None and step in remote_steps:
-            try:
-                step_dir = download_checkpoint(mirror, step, run_dir, progress=progress)
-            except (IntegrityError, StorageNotFoundError, CheckpointConflictError) as exc:
-                # corrupt or incomplete there, or a local copy of that step that must stay
-                refuse(
-                    Refusal(
-                        step=step,
-                        where=mirror.uri,
-                        why=f"{mirror.uri}: {exc}",
-                        foreign=isinstance(exc, SchemaError),
-                        remote=mirror,
-                    )
-                )
-                continue
-            choice = _try_local(step, step_dir, load=load, refuse=refuse, verified=True)
+            choice = _try_remote(
+                step, run_dir, mirror, load=load, refuse=refuse, progress=progress,
+                replacing=local_refusal,
+            )  # fmt: skip
             if choice is not None:
                 log.info("resuming from step %d, downloaded from %s", step, mirror.uri)
                 choice.refused = refused
@@ -184,11 +186,10 @@ def _try_local(
     *,
     load: LoadFn | None,
     refuse: Callable[[Refusal], None],
-    verified: bool = False,
 ) -> ResumeChoice | None:
     try:
         # the local-directory check: symlinks refused, files hashed in parallel
-        manifest = read_manifest_dir(step_dir) if verified else verify_dir(step_dir)
+        manifest = verify_dir(step_dir)
     except RunnerError as exc:
         refuse(
             Refusal(
@@ -217,6 +218,64 @@ def _try_local(
         )
         return None
     return ResumeChoice(step_dir=step_dir, manifest=manifest, loaded=loaded)
+
+
+def _try_remote(
+    step: int,
+    run_dir: Path,
+    mirror: Storage,
+    *,
+    load: LoadFn | None,
+    refuse: Callable[[Refusal], None],
+    progress: ProgressCallback | None,
+    replacing: Refusal | None,
+) -> ResumeChoice | None:
+    """Download a mirror's checkpoint into a staging dir, load it there, and only then put
+    it in the run dir (setting aside the unusable local copy of that step, if any): a
+    refusal leaves the run dir as it was."""
+    ckpt_dir = run_dir / CHECKPOINTS_DIR
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    # a writer-style temp name: cleanup_partial removes what a crash leaves
+    incoming = ckpt_dir / f"{TMP_PREFIX}incoming-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    try:
+        try:
+            staged = download_checkpoint(mirror, step, incoming, progress=progress)
+        except (IntegrityError, StorageNotFoundError) as exc:  # corrupt or incomplete there
+            refuse(
+                Refusal(
+                    step=step,
+                    where=mirror.uri,
+                    why=f"{mirror.uri}: {exc}",
+                    foreign=isinstance(exc, SchemaError),
+                    remote=mirror,
+                )
+            )
+            return None
+        manifest = read_manifest_dir(staged)  # hashed as it arrived
+        loaded = None
+        if load is not None:
+            try:
+                loaded = load(staged, manifest)
+            except RunnerError as exc:
+                refuse(
+                    Refusal(
+                        step=step,
+                        where=mirror.uri,
+                        why=f"{mirror.uri}: verifies but cannot be loaded: {exc}",
+                        foreign=True,
+                        remote=mirror,
+                    )
+                )
+                return None
+        final = ckpt_dir / step_dir_name(step)
+        old = replacing.local_path if replacing is not None else None
+        if replacing is not None and old is not None and (old.exists() or old.is_symlink()):
+            set_aside_local(run_dir, old, reason=FOREIGN if replacing.foreign else CORRUPT)
+        os.rename(staged, final)
+        fsync_dir(ckpt_dir)
+        return ResumeChoice(step_dir=final, manifest=manifest, loaded=loaded, from_mirror=True)
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
 
 
 def _refusal_message(run_dir: Path, mirror: Storage | None, refused: list[Refusal]) -> str:

@@ -138,6 +138,7 @@ def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | 
     not read."""
     step = local.step
     where = f"{storage.uri}/{manifest_key(step)}"
+    raw: bytes | None = None
     try:
         raw = read_manifest_bytes(storage, manifest_key(step))  # too large: IntegrityError
         existing = Manifest.from_json(raw, source=where)
@@ -161,7 +162,7 @@ def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | 
             step,
             local.writer,
         )
-        decommit_remote(storage, step, reason=CORRUPT)
+        decommit_remote(storage, step, reason=CORRUPT, expected=raw)
         return None
     if same_checkpoint(verified, local):
         log.info("checkpoint step %d is already in %s (verified)", step, storage.uri)
