@@ -114,6 +114,13 @@ class RunDirLock:
         assert self._entry is not None, "released"
         return self._entry.how
 
+    @property
+    def fd(self) -> int | None:
+        """The locked descriptor (None when not locked through one). A child that inherits
+        it keeps the lock held while it lives, even after this process is gone."""
+        assert self._entry is not None, "released"
+        return self._entry.fd
+
     def child_env(self) -> dict[str, str]:
         """Environment that lets a runner child work in this run dir under this lock."""
         return {ENV_LOCK_TOKEN: self.token}

@@ -227,12 +227,16 @@ class Supervisor:
         if self.controller.stop_requested:  # arrived while looking for the checkpoint
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
+        lock_fd = self._run_lock.fd if self._run_lock is not None else None
         child = ChildProcess(
             self.command,
             env=self._child_env(resume),
             stdout=self._stdout,
             stderr=self._stderr,
             tail=self.tail,
+            # an orphaned trainer (supervisor SIGKILLed) keeps the run dir locked: no second
+            # supervisor starts a second writer beside it
+            pass_fds=() if lock_fd is None else (lock_fd,),
         )
         log.info(
             "started trainer pid %d (attempt %d), resume from %s",

@@ -49,7 +49,10 @@ class ChildProcess:
         stdout: BinaryIO,
         stderr: BinaryIO,
         tail: OutputTail,
+        pass_fds: Sequence[int] = (),
     ) -> None:
+        """`pass_fds`: descriptors the trainer inherits (the run dir's lock, so that the lock
+        outlives a supervisor killed while its trainer still runs)."""
         try:
             self._proc = subprocess.Popen(
                 list(command),
@@ -58,6 +61,7 @@ class ChildProcess:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                pass_fds=tuple(pass_fds),
             )
         except (FileNotFoundError, PermissionError) as exc:
             raise ConfigError(f"cannot start the trainer {command[0]!r}: {exc}") from exc

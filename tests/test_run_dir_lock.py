@@ -293,3 +293,46 @@ def test_the_lock_file_is_no_checkpoint_for_any_command(tmp_path: Path, alone: P
     assert uploaded and all(p.startswith("checkpoints/step_") for p in uploaded), uploaded
     assert not (tmp_path / "fork" / runlock.LOCK_FILE).exists()
     assert (run_dir / runlock.LOCK_FILE).is_file()  # and nothing removed it
+
+
+def test_an_orphaned_trainer_keeps_the_run_dir_locked_after_its_supervisor_is_sigkilled(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    pid_file = tmp_path / "trainer.pid"
+    trainer = (
+        "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "runner", "run", "--run-dir", str(run_dir), "--",
+         sys.executable, "-c", trainer, str(pid_file)],
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    orphan_pid = 0
+    try:
+        end = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < end:
+            time.sleep(0.05)
+        orphan_pid = int(pid_file.read_text())
+        supervisor.send_signal(signal.SIGKILL)
+        supervisor.wait(timeout=10)
+        # the trainer lives on in its own session, and so does the lock it inherited
+        second = run_demo(run_dir, steps=5, env=_env(), timeout=60)
+        assert second.returncode == EXIT_USAGE, second.stderr
+        assert f"pid {supervisor.pid}" in second.stderr
+        assert checkpoint_steps(run_dir) == []
+    finally:
+        if orphan_pid:
+            os.kill(orphan_pid, signal.SIGKILL)
+        if supervisor.poll() is None:
+            supervisor.kill()
+    # once the orphan is gone, a new start takes the lock at once
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        try:
+            os.kill(orphan_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    third = run_demo(run_dir, steps=5, env=_env(), timeout=120)
+    assert third.returncode == 0, third.stderr

@@ -12,6 +12,9 @@ CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_NAME = "manifest.json"
 TMP_PREFIX = ".tmp-"
 LOSS_FILE = "loss.jsonl"
+# The manifest field naming a mirror upload's attempt directory (runner.mirror.remote_layout):
+# defined here so that readers below the mirror layer can strip it.
+ATTEMPT_FIELD = "mirror_attempt"
 SAMPLES_FILE = "samples.json"
 STATE_FILE = "state.json"
 

@@ -45,6 +45,7 @@ from typing import Any, BinaryIO
 
 from runner.checkpoint.atomic import hash_stream
 from runner.checkpoint.layout import (
+    ATTEMPT_FIELD,
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
     checkpoint_key,
@@ -280,7 +281,6 @@ def _torch_load(path: Path | str | BinaryIO, *, source: str, mmap: bool) -> Any:
 
 def _attempt_prefix(manifest: Manifest) -> str:
     """A mirror's manifest lists payload files under the upload attempt's directory."""
-    from runner.mirror.remote_layout import ATTEMPT_FIELD  # runner.mirror imports this module
 
     attempt = manifest.extra.get(ATTEMPT_FIELD)
     return f"{attempt}/" if isinstance(attempt, str) and attempt else ""

@@ -7,6 +7,7 @@ codes (3 for integrity failures).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -260,14 +261,21 @@ def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
 )
 @_json_option
 def prune(location: str, keep: int, orphan_age_hours: float, as_json: bool) -> None:
-    """Delete all but the newest K checkpoints; never the newest one that verifies."""
+    """Keep the newest K usable checkpoints and delete older ones (a corrupt one is never
+    counted among the K, one of a newer schema never deleted); a run dir is locked meanwhile,
+    so a trainer writing it makes this exit 2."""
+    from runner import runlock
     from runner.checkpoint.orphans import sweep_orphans
     from runner.checkpoint.retention import prune as prune_storage
-    from runner.storage import open_existing
+    from runner.storage import is_run_dir_path, open_existing
 
     storage = open_existing(location)
-    deleted = prune_storage(storage, keep=keep)
-    sweep = sweep_orphans(storage, older_than_s=orphan_age_hours * 3600)
+    with contextlib.ExitStack() as stack:
+        if is_run_dir_path(location):
+            # a live trainer's in-flight checkpoints are protected only inside its process
+            stack.enter_context(runlock.acquire(Path(location), command="runner prune"))
+        deleted = prune_storage(storage, keep=keep)
+        sweep = sweep_orphans(storage, older_than_s=orphan_age_hours * 3600)
     if as_json:
         _echo_json(
             {

@@ -41,7 +41,7 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
     from runner.checkpoint.layout import checkpoint_key
     from runner.checkpoint.reader import list_checkpoints, verify_checkpoint, verify_dir
     from runner.mirror import download_checkpoint, upload_checkpoint
-    from runner.storage import open_existing
+    from runner.storage import is_run_dir_path, open_existing
     from runner.storage.file import FileStorage
 
     target = open_existing(location)
@@ -49,11 +49,11 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
     report: list[dict[str, Any]] = []
     unrestored: list[int] = []
     with contextlib.ExitStack() as stack:
-        if isinstance(target, FileStorage) and not location.startswith("file://"):
+        if is_run_dir_path(location):
             # a run dir: its trainer must not be writing it meanwhile (exit 2 naming it)
             from runner import runlock
 
-            stack.enter_context(runlock.acquire(target.root, command="runner repair"))
+            stack.enter_context(runlock.acquire(Path(location), command="runner repair"))
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="runner-repair-"))
         for step in reversed(list_checkpoints(target)):
             try:
@@ -106,20 +106,15 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
 
 
 def _good_copy(origin: Storage | None, step: int, tmp: Path) -> Path | None:
-    """A local, verified directory of `step` from the source location, or None."""
-    from runner.checkpoint.layout import checkpoint_key
-    from runner.checkpoint.reader import list_checkpoints, verify_dir
+    """A local, verified copy of `step` from the source location (downloaded, so a mirror's
+    attempt directories are stripped whatever the source's kind), or None."""
+    from runner.checkpoint.reader import list_checkpoints
     from runner.mirror import download_checkpoint
-    from runner.storage.file import FileStorage
 
     if origin is None or step not in list_checkpoints(origin):
         return None
     try:
-        if isinstance(origin, FileStorage):
-            step_dir = origin.root / checkpoint_key(step)
-            verify_dir(step_dir)
-            return Path(step_dir)
-        return download_checkpoint(origin, step, tmp / "copy")
+        return download_checkpoint(origin, step, tmp / f"copy-{step}")
     except RunnerError as exc:
         click.echo(f"step {step}: the copy in {origin.uri} is not usable either: {exc}", err=True)
         return None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from runner import runlock
 from runner.cli.options import STEP
 from runner.errors import (
     ConfigError,
@@ -99,37 +100,40 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
     from runner.storage import open_existing
 
     storage = open_existing(location)
-    available = list_checkpoints(storage)
-    if step is not None:
-        if step not in available:
-            raise NoVerifiedCheckpointError(f"{storage.uri} has no checkpoint at step {step}")
-        candidates = [step]
-    else:
-        candidates = list(reversed(available))
-    if not candidates:
-        raise NoVerifiedCheckpointError(f"{storage.uri} has no checkpoints")
-    skipped: list[dict[str, Any]] = []
-    for s in candidates:
-        try:
-            remote = read_manifest(storage, s)
-            _refuse_to_replace_a_different_checkpoint(dest, remote, source=storage.uri)
-            total = remote.total_bytes
-            with transfer_progress(total, desc=f"pull step {s}") as progress:
-                path = download_checkpoint(storage, s, dest, progress=progress)
-        except (IntegrityError, StorageNotFoundError) as exc:
-            skipped.append({"step": s, "error": str(exc)})
-            if not as_json:
-                click.echo(f"step {s}: skipped, {exc}", err=True)
-            continue
-        if as_json:
-            click.echo(json.dumps({"step": s, "path": str(path), "skipped": skipped}, indent=2))
+    dest.mkdir(parents=True, exist_ok=True)
+    # DEST is a run dir: no trainer may be writing it meanwhile (exit 2 naming it)
+    with runlock.acquire(dest, command="runner pull"):
+        available = list_checkpoints(storage)
+        if step is not None:
+            if step not in available:
+                raise NoVerifiedCheckpointError(f"{storage.uri} has no checkpoint at step {step}")
+            candidates = [step]
         else:
-            click.echo(f"pulled step {s} from {storage.uri} into {path} ({total} bytes)")
-        return
-    raise NoVerifiedCheckpointError(
-        f"no checkpoint at {storage.uri} verified (tried steps "
-        f"{', '.join(str(x['step']) for x in skipped)})"
-    )
+            candidates = list(reversed(available))
+        if not candidates:
+            raise NoVerifiedCheckpointError(f"{storage.uri} has no checkpoints")
+        skipped: list[dict[str, Any]] = []
+        for s in candidates:
+            try:
+                remote = read_manifest(storage, s)
+                _refuse_to_replace_a_different_checkpoint(dest, remote, source=storage.uri)
+                total = remote.total_bytes
+                with transfer_progress(total, desc=f"pull step {s}") as progress:
+                    path = download_checkpoint(storage, s, dest, progress=progress)
+            except (IntegrityError, StorageNotFoundError) as exc:
+                skipped.append({"step": s, "error": str(exc)})
+                if not as_json:
+                    click.echo(f"step {s}: skipped, {exc}", err=True)
+                continue
+            if as_json:
+                click.echo(json.dumps({"step": s, "path": str(path), "skipped": skipped}, indent=2))
+            else:
+                click.echo(f"pulled step {s} from {storage.uri} into {path} ({total} bytes)")
+            return
+        raise NoVerifiedCheckpointError(
+            f"no checkpoint at {storage.uri} verified (tried steps "
+            f"{', '.join(str(x['step']) for x in skipped)})"
+        )
 
 
 def _refuse_to_replace_a_different_checkpoint(dest: Path, remote: Manifest, *, source: str) -> None:

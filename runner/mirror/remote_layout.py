@@ -20,10 +20,10 @@ import dataclasses
 import re
 import uuid
 
+from runner.checkpoint.layout import ATTEMPT_FIELD
 from runner.checkpoint.manifest import FileEntry, Manifest
 from runner.errors import IntegrityError
 
-ATTEMPT_FIELD = "mirror_attempt"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 

@@ -169,6 +169,11 @@ def _local_entries(run_dir: Path) -> tuple[dict[int, Path], list[Path]]:
     ckpt_dir = run_dir / CHECKPOINTS_DIR
     steps: dict[int, Path] = {}
     seeds: list[Path] = []
+    if ckpt_dir.is_symlink():  # the rule every other reader applies (runner.storage.file)
+        raise IntegrityError(
+            f"{ckpt_dir} is a symlink; refusing to follow it. Point --run-dir at the real "
+            "directory (the run dir itself may be a link)"
+        )
     if not ckpt_dir.is_dir():
         return steps, seeds
     for entry in ckpt_dir.iterdir():

@@ -13,6 +13,7 @@ __all__ = [
     "ProgressCallback",
     "Storage",
     "is_remote_uri",
+    "is_run_dir_path",
     "open_existing",
     "open_storage",
 ]
@@ -20,6 +21,12 @@ __all__ = [
 
 def is_remote_uri(location: str) -> bool:
     return location.startswith("s3://")
+
+
+def is_run_dir_path(location: str | Path) -> bool:
+    """A plain local path (a run dir a trainer may be writing), not a `file://` or `s3://`
+    mirror location."""
+    return "://" not in str(location) and not str(location).startswith("file:")
 
 
 def open_storage(location: str | Path) -> Storage:
