@@ -160,7 +160,8 @@ def test_fresh_start_sets_unusable_checkpoints_aside_and_trains_as_a_new_run(
 def test_fresh_start_never_discards_a_usable_checkpoint(run_copy: Path) -> None:
     flip_byte(step_dir(run_copy, 30) / "state.pt")
     good = {s: tree_hashes(step_dir(run_copy, s)) for s in (10, 20)}
-    done = demo(run_copy, "--fresh-start", steps=STEPS)
+    # set in the environment, as a deploy file would leave it
+    done = demo(run_copy, env={"RUNNER_FRESH_START": "1"}, steps=STEPS)
     assert done.returncode == 0, done.stderr
     assert "resumed from" in done.stderr and "step_000020" in done.stderr
     assert {s: tree_hashes(step_dir(run_copy, s)) for s in (10, 20)} == good
@@ -359,3 +360,125 @@ def test_repair_of_a_run_dir_restores_from_a_mirror_and_keeps_the_corrupt_copy_a
     assert tree_hashes(aside) == corrupt
     again = runner("repair", str(run_copy))
     assert again.returncode == 0 and "nothing to repair" in again.stdout
+
+
+def test_train_session_refuses_in_process_and_writes_nothing(run_copy: Path) -> None:
+    from runner.config import RunConfig
+    from runner.errors import UnusableCheckpointsError
+    from runner.session import TrainSession
+    from runner.train_state import ModuleTrainState
+
+    newer_schema(run_copy)
+    before = tree_hashes(run_copy)
+    model = torch.nn.Linear(4, 2)
+    state = ModuleTrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with (
+        pytest.raises(UnusableCheckpointsError, match="refusing to start") as caught,
+        TrainSession(RunConfig(run_dir=run_copy, steps=40), state=state),
+    ):
+        pass
+    assert all(f"step {s}:" in str(caught.value) for s in (10, 20, 30))
+    assert caught.value.exit_code == 3
+    assert tree_hashes(run_copy) == before
+    assert state.counters.step == 0
+    # the lock went with the session: another one starts at once (and refuses again)
+    with pytest.raises(UnusableCheckpointsError):
+        TrainSession(RunConfig(run_dir=run_copy, steps=40), state=state).__enter__()
+
+
+def test_fresh_start_with_a_mirror_decommits_unusable_remote_checkpoints_keeping_them(
+    finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
+) -> None:
+    location, env = mirror
+    storage = s3_env_for
+    for step in (10, 20, 30):
+        upload_checkpoint(storage, step_dir(finished, step))
+        corrupt_remote(storage, step)
+    manifests = {
+        s: storage.get_bytes(f"checkpoints/step_{s:06d}/manifest.json") for s in (10, 20, 30)
+    }
+    payload = {k: v for k, v in bucket_hashes(storage).items() if not k.endswith("manifest.json")}
+    fresh = tmp_path / "fresh"
+    done = demo(fresh, "--mirror", location, "--fresh-start", env=env)
+    assert done.returncode == 0, done.stderr
+    # a new run from step 0, mirrored: the same state the first one reached
+    assert verify_checkpoint(storage, 30).fingerprint == manifest(finished, 30)["fingerprint"]
+    # each old manifest kept byte for byte under aside/, each old payload object still there
+    records = {
+        i.key.split("/")[1].split("-")[0]: storage.get_bytes(i.key) for i in storage.list("aside/")
+    }
+    assert records == {f"step_{s:06d}": manifests[s] for s in (10, 20, 30)}
+    after = bucket_hashes(storage)
+    assert all(after.get(k) == v for k, v in payload.items())
+
+
+def test_prune_of_a_mirror_hashes_what_it_counts(
+    finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
+) -> None:
+    location, env = mirror
+    storage = s3_env_for
+    extra = tmp_path / "extra"
+    done = demo(extra, steps=50)
+    assert done.returncode == 0, done.stderr
+    for step in (10, 20):
+        upload_checkpoint(storage, step_dir(finished, step))
+    for step in (40, 50):  # same sizes, one flipped byte each: only a hash tells
+        upload_checkpoint(storage, step_dir(extra, step))
+        corrupt_remote(storage, step)
+    before = bucket_hashes(storage)
+    done = runner("prune", location, "--keep", "2", env=env)
+    assert done.returncode == 0, done.stderr
+    assert bucket_hashes(storage) == before  # 20 and 10 are the 2 kept; 50, 40 uncounted
+    assert list_checkpoints(storage) == [10, 20, 40, 50]
+
+
+def test_a_payload_this_torch_cannot_load_is_never_decommitted_by_a_resumed_run(
+    finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
+) -> None:
+    location, env = mirror
+    storage = s3_env_for
+    upload_checkpoint(storage, step_dir(finished, 10))
+    foreign = tmp_path / "foreign"
+    shutil.copytree(finished, foreign)
+    payload_weights_only_refuses(foreign)  # hashes refreshed: it verifies, it does not load
+    upload_checkpoint(storage, step_dir(foreign, 20))
+    before = {k: v for k, v in bucket_hashes(storage).items() if "step_000020" in k}
+    fresh = tmp_path / "fresh"
+    done = demo(fresh, "--mirror", location, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "not resuming from step 20" in done.stderr
+    assert "resuming from step 10" in done.stderr
+    # the retrained step 20 met it in the bucket and left it as it was
+    assert "never replaced" in done.stderr
+    assert {k: v for k, v in bucket_hashes(storage).items() if "step_000020" in k} == before
+    assert list(storage.list("aside/")) == []
+
+
+def test_repair_from_a_file_mirror_uploads_a_copy_that_verifies(
+    finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
+) -> None:
+    location, env = mirror
+    storage = s3_env_for
+    source = f"file://{tmp_path / 'source-bucket'}"
+    upload_checkpoint(open_storage(source), step_dir(finished, 20))
+    upload_checkpoint(storage, step_dir(finished, 20))
+    corrupt_remote(storage, 20)
+    done = runner("repair", location, "--from", source, env=env)
+    assert done.returncode == 0, done.stderr
+    assert verify_checkpoint(storage, 20).fingerprint == manifest(finished, 20)["fingerprint"]
+    fresh = tmp_path / "fresh"
+    pulled = runner("pull", location, str(fresh), env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert tree_hashes(step_dir(fresh, 20)) == tree_hashes(step_dir(finished, 20))
+
+
+def test_a_forged_v1_hint_cannot_switch_off_the_step_check(run_copy: Path) -> None:
+    forged = step_dir(run_copy, 999_999_999)
+    shutil.copytree(step_dir(run_copy, 30), forged)
+    data = json.loads((forged / "manifest.json").read_bytes())
+    data["step"] = 999_999_999
+    data["extra"] = {**data.get("extra", {}), "migrated_from": "1", "v1_counters": []}
+    (forged / "manifest.json").write_text(json.dumps(data))
+    done = runner("verify", str(run_copy), "--step", "999999999")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "(step: manifest 999999999, payload 30" in done.stdout + done.stderr
