@@ -17,6 +17,7 @@ import pytest
 from runner.checkpoint.atomic import sha256_file
 from runner.checkpoint.layout import checkpoint_key
 from runner.errors import IntegrityError
+from runner.runlock import LOCK_FILE
 from runner.storage.file import FileStorage
 from tests.demo_process import logged_steps, run_demo
 from tests.fixtures.ckpt import SaveCheckpoint
@@ -162,13 +163,19 @@ def test_pull_from_file_location_never_follows_a_symlink_out(
     assert f"{location}/checkpoints/step_000002/state.pt is a symlink; refusing to follow it" in (
         step2.stderr
     )
-    assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*"))
+    assert not dest.exists() or not any(
+        p.is_file() and p.name != LOCK_FILE for p in dest.rglob("*")
+    )  # the lock of the run dir pull writes into is no copied file
 
     newest = runner("pull", location, dest, "--json")
     assert newest.returncode == 0, newest
     assert json.loads(newest.stdout)["step"] == 1
     assert "step 2: skipped" not in newest.stdout
-    copied = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+    copied = {
+        p.relative_to(dest).as_posix()
+        for p in dest.rglob("*")
+        if p.is_file() and p.name != LOCK_FILE
+    }
     assert copied == {"checkpoints/step_000001/manifest.json", "checkpoints/step_000001/state.pt"}
     assert all(SECRET not in p.read_bytes() for p in dest.rglob("*") if p.is_file())
 

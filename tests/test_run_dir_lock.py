@@ -300,9 +300,7 @@ def test_an_orphaned_trainer_keeps_the_run_dir_locked_after_its_supervisor_is_si
 ) -> None:
     run_dir = tmp_path / "run"
     pid_file = tmp_path / "trainer.pid"
-    trainer = (
-        "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
-    )
+    trainer = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "runner", "run", "--run-dir", str(run_dir), "--",
          sys.executable, "-c", trainer, str(pid_file)],

@@ -157,15 +157,9 @@ def _check_named_step(manifest: Manifest, step: int | None, *, source: str) -> N
         )
 
 
-def verify_checkpoint(storage: Storage, step: int) -> Manifest:
-    """Apply every rule of the module docstring to checkpoint `step` at `storage`.
-
-    A local location (a run dir, `file://`) is checked in place by `verify_dir` (hashed on
-    several threads, symlinks refused); any other storage is streamed."""
-    if isinstance(storage, FileStorage):
-        # FileStorage refuses a symlinked checkpoints/ dir when listing; here the step dir
-        # and everything in it are checked without following any symlink
-        return verify_dir(storage.root / checkpoint_key(step), step=step)
+def check_remote_sizes(storage: Storage, step: int) -> Manifest:
+    """The cheap check of a stored checkpoint: its manifest (bounded, named step) and every
+    file it lists present at the listed size; IntegrityError otherwise. No byte is hashed."""
     manifest = read_manifest(storage, step)
     base = checkpoint_key(step)
     for entry in manifest.files:
@@ -178,6 +172,22 @@ def verify_checkpoint(storage: Storage, step: int) -> Manifest:
             raise IntegrityError(
                 f"{where}: size {size} != {entry.size} in the manifest (truncated or replaced)"
             )
+    return manifest
+
+
+def verify_checkpoint(storage: Storage, step: int) -> Manifest:
+    """Apply every rule of the module docstring to checkpoint `step` at `storage`.
+
+    A local location (a run dir, `file://`) is checked in place by `verify_dir` (hashed on
+    several threads, symlinks refused); any other storage is streamed."""
+    if isinstance(storage, FileStorage):
+        # FileStorage refuses a symlinked checkpoints/ dir when listing; here the step dir
+        # and everything in it are checked without following any symlink
+        return verify_dir(storage.root / checkpoint_key(step), step=step)
+    manifest = check_remote_sizes(storage, step)
+    base = checkpoint_key(step)
+    for entry in manifest.files:
+        where = f"{storage.uri}/{base}/{entry.path}"
         try:
             with storage.open_read(f"{base}/{entry.path}") as stream:
                 _, sha256 = hash_stream(stream)
@@ -262,21 +272,26 @@ def _as_int(value: object, *, name: str, source: str) -> int:
     return value
 
 
+def not_loadable(exc: BaseException, *, source: str) -> PayloadNotLoadableError:
+    """The error for a payload whose bytes verified but that torch would not deserialise."""
+    if isinstance(exc, pickle.UnpicklingError):
+        return PayloadNotLoadableError(
+            f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
+            "it was not written by spot-runner and was not executed"
+        )
+    return PayloadNotLoadableError(
+        f"{source}: payload cannot be deserialised by this torch ({exc})"
+    )
+
+
 def _torch_load(path: Path | str | BinaryIO, *, source: str, mmap: bool) -> Any:
     """torch.load(weights_only=True) with the loader's failures as IntegrityError."""
     import torch
 
     try:
         return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        raise PayloadNotLoadableError(
-            f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
-            "it was not written by spot-runner and was not executed"
-        ) from exc
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise PayloadNotLoadableError(
-            f"{source}: payload cannot be deserialised by this torch ({exc})"
-        ) from exc
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise not_loadable(exc, source=source) from exc
 
 
 def _attempt_prefix(manifest: Manifest) -> str:
@@ -398,15 +413,8 @@ def _torch_load_bytes(data: bytes, *, source: str) -> Any:
 
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        raise PayloadNotLoadableError(
-            f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
-            "it was not written by spot-runner and was not executed"
-        ) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise PayloadNotLoadableError(
-            f"{source}: payload cannot be deserialised by this torch ({exc})"
-        ) from exc
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise not_loadable(exc, source=source) from exc
 
 
 # -- local ----------------------------------------------------------------------------------
@@ -592,15 +600,8 @@ def load_state(
             )
         else:
             raise SchemaError(f"{source}: unknown checkpoint format {manifest.format!r}")
-    except pickle.UnpicklingError as exc:
-        raise PayloadNotLoadableError(
-            f"{source}: payload holds objects that weights-only loading refuses ({exc}); "
-            "it was not written by spot-runner and was not executed"
-        ) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise PayloadNotLoadableError(
-            f"{source}: payload cannot be deserialised by this torch ({exc})"
-        ) from exc
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise not_loadable(exc, source=source) from exc
     check_counters(manifest, payload_counters(raw, source=source), source=source)
     return migrate_payload(raw, source=source)
 

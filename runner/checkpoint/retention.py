@@ -17,6 +17,7 @@ from runner.checkpoint.atomic import fsync_dir
 from runner.checkpoint.layout import TMP_PREFIX, checkpoint_key, manifest_key
 from runner.checkpoint.reader import (
     check_payload_counters,
+    check_remote_sizes,
     list_checkpoints,
     read_manifest,
     verify_checkpoint,
@@ -24,10 +25,8 @@ from runner.checkpoint.reader import (
 )
 from runner.errors import (
     ConfigError,
-    IntegrityError,
     RunnerError,
     SchemaError,
-    StorageNotFoundError,
 )
 from runner.storage.base import Storage
 from runner.storage.file import FileStorage
@@ -105,22 +104,6 @@ def _usable(storage: Storage, step: int, *, sizes_only: bool) -> bool:
         )
         return False
     return True
-
-
-def check_remote_sizes(storage: Storage, step: int) -> None:
-    """The cheap check of a mirror's checkpoint: its manifest parses and every file it lists
-    is there at the listed size (IntegrityError otherwise)."""
-    manifest = read_manifest(storage, step)
-    base = checkpoint_key(step)
-    for entry in manifest.files:
-        try:
-            size = storage.head(f"{base}/{entry.path}").size
-        except StorageNotFoundError as exc:
-            raise IntegrityError(f"{storage.uri}/{base}/{entry.path}: missing") from exc
-        if size != entry.size:
-            raise IntegrityError(
-                f"{storage.uri}/{base}/{entry.path}: size {size} != {entry.size} in the manifest"
-            )
 
 
 def _foreign(storage: Storage, step: int) -> bool:
