@@ -286,7 +286,7 @@ def _try_remote(
 def _refusal_message(run_dir: Path, mirror: Storage | None, refused: list[Refusal]) -> str:
     where = f"{run_dir}" + (f" and {mirror.uri}" if mirror is not None else "")
     lines = [
-        f"refusing to start: {where} hold(s) {len(refused)} checkpoint(s) and none can be "
+        f"refusing to start: {len(refused)} checkpoint(s) in {where} and none of them can be "
         "resumed from; nothing was written, replaced or deleted:"
     ]
     lines += [f"  - step {r.step}: {r.why}" for r in refused]
