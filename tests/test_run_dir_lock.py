@@ -334,3 +334,48 @@ def test_an_orphaned_trainer_keeps_the_run_dir_locked_after_its_supervisor_is_si
         time.sleep(0.05)
     third = run_demo(run_dir, steps=5, env=_env(), timeout=120)
     assert third.returncode == 0, third.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["pivot", "{run}"],
+        ["prune", "{run}", "--keep", "2"],
+        ["pull", "{bucket}", "{run}"],
+        ["repair", "{run}"],
+    ],
+)
+def test_commands_that_change_a_run_dir_exit_2_while_a_trainer_holds_it(
+    tmp_path: Path, alone: Path, command: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(alone, run_dir)
+    (run_dir / "samples.json").write_text("{}")
+    bucket = f"file://{tmp_path / 'bucket'}"
+    push = subprocess.run(
+        [sys.executable, "-m", "runner", "push", str(alone), bucket],
+        env=_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert push.returncode == 0, push.stderr
+    before = {
+        p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".runner.lock"
+    }
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir)],
+        env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        holder.stdout.readline()
+        args = [a.format(run=run_dir, bucket=bucket) for a in command]
+        done = subprocess.run(
+            [sys.executable, "-m", "runner", *args], env=_env(), capture_output=True, text=True
+        )
+        assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
+        assert f"pid {holder.pid}" in done.stderr and "Traceback" not in done.stderr
+    finally:
+        holder.communicate(input="", timeout=10)
+    after = {
+        p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".runner.lock"
+    }
+    assert after == before

@@ -21,7 +21,12 @@ def pivot(run_dir: str, as_json: bool) -> None:
     Use it between "checkpoint and stop" and "restart with the new policy"; loss.jsonl,
     the run's audit trail, is never touched.
     """
-    archived = pivot_sidecars(_local_run_dir(run_dir))
+    from runner import runlock
+
+    local = _local_run_dir(run_dir)
+    # between "checkpoint and stop" and the restart: a trainer still writing it exits this (2)
+    with runlock.acquire(local, command="runner pivot"):
+        archived = pivot_sidecars(local)
     if as_json:
         click.echo(json.dumps({"archived": [str(p) for p in archived]}))
     elif archived:
