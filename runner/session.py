@@ -252,14 +252,8 @@ class TrainSession:
         return choice.manifest, choice.loaded
 
     def _mirror_holds(self, step: int) -> bool:
-        from runner.errors import StorageError
-        from runner.mirror import remote_manifest
-
         assert self.mirror is not None
-        try:
-            return remote_manifest(self.mirror.storage, step) is not None
-        except StorageError:
-            return False
+        return self.mirror.holds(step)
 
     def _backfill_loss_log(self, *, source: str) -> None:
         """On a fresh node loss.jsonl is gone with the old disk; the checkpoint carries the

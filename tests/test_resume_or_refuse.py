@@ -482,3 +482,23 @@ def test_a_forged_v1_hint_cannot_switch_off_the_step_check(run_copy: Path) -> No
     done = runner("verify", str(run_copy), "--step", "999999999")
     assert done.returncode == 3, done.stdout + done.stderr
     assert "(step: manifest 999999999, payload 30" in done.stdout + done.stderr
+
+
+def test_a_local_resume_heals_a_truncated_mirror_copy_of_its_step(
+    finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
+) -> None:
+    location, env = mirror
+    storage = s3_env_for
+    run_dir = tmp_path / "run"
+    done = demo(run_dir, "--mirror", location, env=env, steps=20)
+    assert done.returncode == 0, done.stderr
+    key = next(i.key for i in storage.list("checkpoints/step_000020/") if i.key.endswith(".pt"))
+    short = tmp_path / "short"
+    short.write_bytes(storage.get_bytes(key)[:-100])
+    storage.put_file(key, short)  # the bucket's copy of step 20 is now truncated
+    done = demo(run_dir, "--mirror", location, env=env)  # resumes from the local step 20
+    assert done.returncode == 0, done.stderr
+    assert "resuming from local checkpoint step 20" in done.stderr
+    assert "copy of step 20 is damaged" in done.stderr
+    assert verify_checkpoint(storage, 20).fingerprint == manifest(finished, 20)["fingerprint"]
+    assert verify_checkpoint(storage, 30).fingerprint == manifest(finished, 30)["fingerprint"]

@@ -17,12 +17,19 @@ from pathlib import Path
 from typing import Protocol
 
 from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S, sweep_orphans
+from runner.checkpoint.reader import check_remote_sizes
 from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CommittedCheckpoint
-from runner.errors import ConfigError, RunnerError, StorageConflictError
+from runner.errors import (
+    ConfigError,
+    IntegrityError,
+    RunnerError,
+    SchemaError,
+    StorageConflictError,
+)
 from runner.exiting import note_abandoned_work
 from runner.mirror.resume import LoadFn, ResumeChoice, SkipCallback, choose_resume
-from runner.mirror.upload import upload_checkpoint
+from runner.mirror.upload import remote_manifest, upload_checkpoint
 from runner.storage.base import ProgressCallback, Storage
 
 log = logging.getLogger(__name__)
@@ -273,6 +280,26 @@ class Mirror:
                 if choice.from_mirror:  # a local choice says nothing of the mirror's copy
                     self._known_good.add(choice.manifest.step)
         return choice
+
+    def holds(self, step: int) -> bool:
+        """Whether the mirror holds checkpoint `step` whole, by the cheap check (manifest and
+        every file's size; no download). A copy that fails it is remembered as suspect, so
+        the next upload of that step verifies and heals it."""
+        try:
+            check_remote_sizes(self.storage, step)
+        except SchemaError as exc:  # another version's checkpoint: never replaced
+            log.warning("mirror: step %d there is one this runner cannot read: %s", step, exc)
+            return True
+        except IntegrityError as exc:
+            if remote_manifest(self.storage, step) is None:
+                return False  # not there (or no readable manifest: the upload settles it)
+            log.warning("mirror: its copy of step %d is damaged (%s); replacing it", step, exc)
+            with self._cond:
+                self._suspect.add(step)
+            return False
+        except RunnerError:
+            return False
+        return True
 
     def resolve_resume(
         self,
