@@ -502,3 +502,20 @@ def test_a_local_resume_heals_a_truncated_mirror_copy_of_its_step(
     assert "copy of step 20 is damaged" in done.stderr
     assert verify_checkpoint(storage, 20).fingerprint == manifest(finished, 20)["fingerprint"]
     assert verify_checkpoint(storage, 30).fingerprint == manifest(finished, 30)["fingerprint"]
+
+
+def test_retention_spares_the_payload_of_a_foreign_decommitted_checkpoint(
+    finished: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
+) -> None:
+    from runner.checkpoint.aside import FOREIGN, decommit_remote
+
+    storage = s3_env_for
+    upload_checkpoint(storage, step_dir(finished, 10))
+    old = {k: v for k, v in bucket_hashes(storage).items() if not k.endswith("manifest.json")}
+    decommit_remote(storage, 10, reason=FOREIGN)  # what --fresh-start does to a foreign one
+    for step in (10, 20, 30):  # the new run commits step 10 again, then two more
+        upload_checkpoint(storage, step_dir(finished, step))
+    assert prune(storage, keep=2) == [10]
+    after = bucket_hashes(storage)
+    assert {k: after.get(k) for k in old} == old  # every object the record names is still there
+    assert not any(k.startswith("checkpoints/step_000010/") for k in set(after) - set(old))

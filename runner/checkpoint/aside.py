@@ -8,12 +8,12 @@ aside instead:
 - in a run dir, its directory (or seed `.bin`) is renamed into `RUN_DIR/aside/`, bytes
   untouched; nothing there is ever deleted by the runner;
 - in a mirror, it is *de-committed*: a copy of its manifest goes to
-  `PREFIX/aside/step_N-<when>-<why>/manifest.json`, then the step's manifest is deleted (the
-  manifest is the commit marker, so the checkpoint stops existing while its payload objects
-  stay where they are). A record set aside as `foreign` (a newer schema or a format this
-  runner does not read: possibly good for another version) protects the objects it names from
-  retention and the orphan sweep; a `corrupt` one does not, so its payload goes with the
-  step's next retention.
+  `PREFIX/aside/step_N-<when>-<why>/decommitted-manifest.json`, then the step's manifest is
+  deleted (the manifest is the commit marker, so the checkpoint stops existing while its
+  payload objects stay where they are). A record set aside as `foreign` (a newer schema or a
+  format this runner does not read: possibly good for another version) protects the objects
+  it names from retention and the orphan sweep; a `corrupt` one does not, so its payload goes
+  with the step's next retention.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from runner.storage.base import Storage
 log = logging.getLogger(__name__)
 
 ASIDE_DIR = "aside"
-ASIDE_MANIFEST = "manifest.json"
+# The record of a de-committed mirror checkpoint. Not `manifest.json`: a run dir's aside/
+# holds whole checkpoint directories (with their own manifest.json, paths relative to
+# themselves), and those must never be read as records naming objects under checkpoints/.
+ASIDE_MANIFEST = "decommitted-manifest.json"
 CORRUPT = "corrupt"
 """Failed size/sha256 (or self-consistency) checks: worthless, kept only for inspection."""
 FOREIGN = "foreign"

@@ -71,6 +71,7 @@ def prune(
         return []
     counted = 0
     deleted = []
+    protected: set[str] | None = None  # read once, at the first deletion
     for step in reversed(steps):
         if counted < keep:
             if step in good or _usable(storage, step, sizes_only=remote_sizes_only):
@@ -79,7 +80,9 @@ def prune(
             continue
         if step in protect or _foreign(storage, step):
             continue
-        delete_checkpoint(storage, step)
+        if protected is None:
+            protected = protected_keys(storage)
+        delete_checkpoint(storage, step, protected=protected)
         good.discard(step)
         deleted.append(step)
     if deleted:
@@ -121,13 +124,20 @@ def _foreign(storage: Storage, step: int) -> bool:
     return False
 
 
-def delete_checkpoint(storage: Storage, step: int) -> None:
-    """Manifest first (the checkpoint ceases to exist), then every other object under it.
+def delete_checkpoint(storage: Storage, step: int, *, protected: set[str] | None = None) -> None:
+    """Manifest first (the checkpoint ceases to exist), then every other object under it
+    except those a `foreign` aside record protects (`protected`: `protected_keys(storage)`,
+    read here when not given).
 
-    In a local directory the whole step dir is first renamed to a `.tmp-` name, so it vanishes
-    at once and a crash leaves only a temp dir that `cleanup_partial` removes."""
-    if isinstance(storage, FileStorage):
-        step_dir = storage.root / checkpoint_key(step)
+    In a local directory with nothing protected under the step, the whole step dir is first
+    renamed to a `.tmp-` name, so it vanishes at once and a crash leaves only a temp dir that
+    `cleanup_partial` removes."""
+    base = checkpoint_key(step)
+    if protected is None:
+        protected = protected_keys(storage)
+    spared = {key for key in protected if key.startswith(f"{base}/")}
+    if isinstance(storage, FileStorage) and not spared:
+        step_dir = storage.root / base
         aside = step_dir.with_name(
             f"{TMP_PREFIX}{step_dir.name}-{os.getpid()}-pruned-{uuid4().hex[:8]}"
         )
@@ -139,7 +149,6 @@ def delete_checkpoint(storage: Storage, step: int) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         return
     storage.delete(manifest_key(step))
-    kept = protected_keys(storage)  # payload of a checkpoint set aside as foreign
-    for info in list(storage.list(f"{checkpoint_key(step)}/")):
-        if info.key not in kept:
+    for info in list(storage.list(f"{base}/")):
+        if info.key not in spared:
             storage.delete(info.key)
