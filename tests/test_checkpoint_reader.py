@@ -233,11 +233,21 @@ def test_verify_works_through_file_uri(tmp_path: Path, save_checkpoint: SaveChec
     assert checkpoint_key(5) == "checkpoints/step_000005"
 
 
-def test_load_newest_state_falls_back_past_unloadable_checkpoints(
+def _load_verified(step_dir: Path, manifest: Manifest) -> dict:
+    return load_state(step_dir, manifest=manifest, verified=True)
+
+
+def _newest_loaded(run: Path, **kw: object) -> tuple[Manifest, dict] | None:
+    """The newest local checkpoint that verifies and loads, through the one resolver."""
+    from runner.mirror.resume import choose_resume
+
+    choice = choose_resume(run, None, load=_load_verified, **kw)  # type: ignore[arg-type]
+    return None if choice is None else (choice.manifest, choice.loaded)
+
+
+def test_newest_loaded_falls_back_past_unloadable_checkpoints(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
-    from runner.checkpoint.reader import load_newest_state
-
     good = save_checkpoint(1)
     unsafe = save_checkpoint(2)
     torch.save({"schema": "2", "model": _RunsCode(tmp_path / "ran")}, unsafe.path / "state.pt")
@@ -245,7 +255,7 @@ def test_load_newest_state_falls_back_past_unloadable_checkpoints(
     corrupt = save_checkpoint(3)
     (corrupt.path / "state.pt").write_bytes(b"x")
     skipped: list[tuple[int, str]] = []
-    found = load_newest_state(tmp_path / "run", on_skip=lambda s, why: skipped.append((s, why)))
+    found = _newest_loaded(tmp_path / "run", on_skip=lambda s, why: skipped.append((s, why)))
     assert found is not None
     manifest, state = found
     assert manifest.step == 1 and manifest.fingerprint == good.manifest.fingerprint
@@ -253,7 +263,7 @@ def test_load_newest_state_falls_back_past_unloadable_checkpoints(
     assert [s for s, _ in skipped] == [3, 2]
     assert "size 1 !=" in skipped[0][1] and "weights-only" in skipped[1][1]
     assert not (tmp_path / "ran").exists()
-    assert load_newest_state(tmp_path / "empty") is None
+    assert _newest_loaded(tmp_path / "empty") is None
 
 
 # -- a checkpoint cannot lie about itself (issue 9, item 4) ----------------------------------
@@ -274,7 +284,7 @@ def _move_to_step(run: Path, src_step: int, dst_step: int) -> Path:
 def test_forged_step_is_refused_by_verify_load_and_newest(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
-    from runner.checkpoint.reader import load_newest_state, verify_dir
+    from runner.checkpoint.reader import verify_dir
 
     save_checkpoint(2)
     save_checkpoint(3)
@@ -295,7 +305,7 @@ def test_forged_step_is_refused_by_verify_load_and_newest(
     newest = newest_verified(storage, on_skip=lambda s, why: skipped.append((s, why)))
     assert newest is not None and newest.step == 3
     assert [s for s, _ in skipped] == [999_999_999]
-    found = load_newest_state(run)
+    found = _newest_loaded(run)
     assert found is not None and found[0].step == 3 and found[1]["counters"]["step"] == 3
 
 

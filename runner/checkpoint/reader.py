@@ -606,25 +606,5 @@ def load_state(
     return migrate_payload(raw, source=source)
 
 
-def load_newest_state(
-    run_dir: Path, *, on_skip: SkipCallback | None = None
-) -> tuple[Manifest, dict[str, Any]] | None:
-    """The newest local checkpoint that verifies *and* loads, with its state; every newer one
-    that fails (corrupt, unknown schema, unsafe payload) is logged and reported to `on_skip`.
-    None when the run dir holds no usable checkpoint."""
-    from runner.storage.file import FileStorage
-
-    for step in reversed(list_checkpoints(FileStorage(Path(run_dir)))):
-        step_dir = local_step_dir(run_dir, step)
-        try:
-            manifest = read_manifest_dir(step_dir)
-            return manifest, load_state(step_dir, manifest=manifest)
-        except RunnerError as exc:
-            log.warning("skipping checkpoint %s: %s", step_dir, exc)
-            if on_skip is not None:
-                on_skip(step, str(exc))
-    return None
-
-
 def local_step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / checkpoint_key(step)

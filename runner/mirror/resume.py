@@ -54,9 +54,8 @@ class Refusal:
     """One checkpoint that cannot be resumed from, and why."""
 
     step: int
-    where: str
-    """The local path or the mirror URI."""
     why: str
+    """What was refused and why, naming the local path or the mirror URI."""
     foreign: bool
     """Of a schema or format this runner does not read, or verified but not loadable:
     possibly good for another version, so set aside as protected."""
@@ -130,7 +129,6 @@ def choose_resume(
         refused.append(
             Refusal(
                 step=parse_seed_bin(path.name) or 0,
-                where=str(path),
                 why=(
                     f"{path}: a seed-format file waiting in the checkpoint directory; only "
                     "`runner run` adopts those (or convert it: `runner convert`)"
@@ -199,7 +197,6 @@ def _try_local(
         refuse(
             Refusal(
                 step=step,
-                where=str(step_dir),
                 why=f"local: {exc}",
                 foreign=isinstance(exc, SchemaError),
                 local_path=step_dir,
@@ -215,7 +212,6 @@ def _try_local(
         refuse(
             Refusal(
                 step=step,
-                where=str(step_dir),
                 why=f"{step_dir}: verifies but cannot be loaded: {exc}",
                 foreign=True,
                 local_path=step_dir,
@@ -249,7 +245,6 @@ def _try_remote(
             refuse(
                 Refusal(
                     step=step,
-                    where=mirror.uri,
                     why=f"{mirror.uri}: {exc}",
                     foreign=isinstance(exc, SchemaError),
                     remote=mirror,
@@ -265,7 +260,6 @@ def _try_remote(
                 refuse(
                     Refusal(
                         step=step,
-                        where=mirror.uri,
                         why=f"{mirror.uri}: verifies but cannot be loaded: {exc}",
                         foreign=True,
                         remote=mirror,
