@@ -39,8 +39,8 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
     step was restored, 3 when some could only be set aside."""
     from runner.checkpoint.aside import CORRUPT, decommit_remote, set_aside_local
     from runner.checkpoint.layout import checkpoint_key
-    from runner.checkpoint.reader import list_checkpoints, verify_checkpoint, verify_dir
-    from runner.mirror import download_checkpoint, upload_checkpoint
+    from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+    from runner.mirror import upload_checkpoint
     from runner.storage import is_run_dir_path, open_existing
     from runner.storage.file import FileStorage
 
@@ -57,10 +57,7 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="runner-repair-"))
         for step in reversed(list_checkpoints(target)):
             try:
-                if isinstance(target, FileStorage):
-                    verify_dir(target.root / checkpoint_key(step))
-                else:
-                    verify_checkpoint(target, step)
+                verify_checkpoint(target, step)  # a run dir or file:// is checked in place
             except SchemaError as exc:
                 report.append({"step": step, "status": "unreadable, left alone", "error": str(exc)})
                 continue
@@ -68,10 +65,11 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
                 problem = str(exc)
             else:
                 continue
-            good = _good_copy(origin, step, Path(tmp))
-            if good is not None and isinstance(target, FileStorage):
-                # the writer's rule sets the corrupt local copy aside before the good one lands
-                download_checkpoint(FileStorage(good.parent.parent), step, target.root)
+            local = target.root if isinstance(target, FileStorage) else None
+            # straight into a run dir (the download sets the corrupt copy aside once the good
+            # one has arrived whole and verified); via a temp dir for an upload
+            good = _good_copy(origin, step, local or Path(tmp))
+            if good is not None and local is not None:
                 status = "restored"
             elif good is not None:
                 upload_checkpoint(target, good, writer_id="runner-repair", verify_existing=True)
@@ -105,16 +103,16 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
         )
 
 
-def _good_copy(origin: Storage | None, step: int, tmp: Path) -> Path | None:
-    """A local, verified copy of `step` from the source location (downloaded, so a mirror's
-    attempt directories are stripped whatever the source's kind), or None."""
+def _good_copy(origin: Storage | None, step: int, run_dir: Path) -> Path | None:
+    """A verified copy of `step` from the source location, downloaded into `run_dir` (so a
+    mirror's attempt directories are stripped whatever the source's kind), or None."""
     from runner.checkpoint.reader import list_checkpoints
     from runner.mirror import download_checkpoint
 
     if origin is None or step not in list_checkpoints(origin):
         return None
     try:
-        return download_checkpoint(origin, step, tmp / f"copy-{step}")
+        return download_checkpoint(origin, step, run_dir)
     except RunnerError as exc:
         click.echo(f"step {step}: the copy in {origin.uri} is not usable either: {exc}", err=True)
         return None
