@@ -6,6 +6,8 @@ wrong and what to do about it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -68,7 +70,7 @@ class CheckpointConflictError(CheckpointWriteError):
     this runner does not read) with other contents: it is never replaced. `kept` is where
     the save that lost was set aside, when it was."""
 
-    def __init__(self, message: str, *, kept: object = None) -> None:
+    def __init__(self, message: str, *, kept: Path | None = None) -> None:
         super().__init__(message)
         self.kept = kept
 

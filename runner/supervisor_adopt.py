@@ -225,11 +225,7 @@ class SeedAdopter:
         except CheckpointConflictError as exc:
             # a good checkpoint of that step exists with other contents: it stays, and the
             # trainer's file was set aside by the writer (its bytes kept there)
-            kept = exc.kept if isinstance(exc.kept, Path) else path
-            self.rejected.append(kept)
-            self.not_adopted[path.name] = NotAdopted(
-                name=path.name, step=parse_seed_bin(path.name) or 0, path=kept, why=str(exc)
-            )
+            self._not_adopted(path, kept=exc.kept or path, why=str(exc))
             log.error("trainer checkpoint %s NOT adopted: %s", path.name, exc)
             return None
         seconds = time.monotonic() - start
@@ -240,6 +236,13 @@ class SeedAdopter:
             seconds,
         )
         return Adopted(checkpoint=checkpoint, seconds=seconds)
+
+    def _not_adopted(self, path: Path, *, kept: Path, why: str) -> None:
+        """Record a trainer file that was not adopted: its bytes are at `kept`."""
+        self.rejected.append(kept)
+        self.not_adopted[path.name] = NotAdopted(
+            name=path.name, step=parse_seed_bin(path.name) or 0, path=kept, why=why
+        )
 
     def _reject(self, path: Path, why: str) -> None:
         # never over an earlier rejected file of the same name: it is kept too
@@ -252,10 +255,7 @@ class SeedAdopter:
             os.rename(path, aside)
         except FileNotFoundError:
             return
-        self.rejected.append(aside)
-        self.not_adopted[path.name] = NotAdopted(
-            name=path.name, step=parse_seed_bin(path.name) or 0, path=aside, why=why
-        )
+        self._not_adopted(path, kept=aside, why=why)
         log.error(
             "rejected trainer checkpoint %s: %s. It was NOT adopted and will not be resumed "
             "from; kept as %s",
