@@ -114,6 +114,13 @@ metrics_port = _opt(
     default=0,
     help="Serve /metrics and /healthz on this port (0 disables).",
 )
+metrics_host = _opt(
+    "--metrics-host",
+    env="RUNNER_METRICS_HOST",
+    default="0.0.0.0",
+    help="Address the metrics server binds: 0.0.0.0 every IPv4 interface (what a Prometheus "
+    "scraping the pod IP needs), 127.0.0.1 this machine only, :: or ::1 for IPv6.",
+)
 notices = _opt(
     "--notices",
     env="RUNNER_NOTICES",
@@ -178,6 +185,7 @@ def run_options(func: F) -> F:
             keep,
             grace_seconds,
             metrics_port,
+            metrics_host,
             notices,
             notice_poll_seconds,
             notice_endpoint,
