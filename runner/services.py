@@ -49,7 +49,11 @@ def run_services(config: RunConfig, stop: StopController) -> Iterator[Services]:
         server = maybe_serve_metrics(metrics, host=config.metrics_host, port=config.metrics_port)
         if server is not None:
             stack.callback(server.close)
-            log.info("metrics on %s", server.url)
+            log.info(
+                "metrics served on %s (%s; --metrics-host to change): /metrics, /healthz",
+                server.bind_address,
+                server.scope,
+            )
         poller = start_notice_poller(config, stop, metrics)
         if poller is not None:
             stack.callback(poller.close)
