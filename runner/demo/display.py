@@ -1,15 +1,22 @@
 """The demo's live progress line: step, loss, steps/s, last checkpoint and its age.
 
 On a terminal the line is redrawn in place; otherwise (logs, CI) one line is printed every
-`every_seconds` so a log stays readable.
+`every_seconds` so a log stays readable. While the line is live, log handlers writing to the
+same stream go through `_ClearingStream`, so a record printed meanwhile (a checkpoint commit,
+a mirror warning) starts at column 0 and the progress line is redrawn below it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
+
+CLEAR_LINE = "\r\033[K"
 
 
 class ProgressDisplay:
@@ -31,6 +38,13 @@ class ProgressDisplay:
         self._rate = 0.0
         self._last_print = 0.0
         self._ckpt: tuple[int, float] | None = None
+        # the progress text now on the stream's last line ("" when none): log records from
+        # any thread clear and redraw it, so every write to the stream holds this lock
+        self._drawn = ""
+        self._lock = threading.Lock()
+        self._wrapped: list[tuple[logging.StreamHandler[Any], _ClearingStream]] = []
+        if self.live:
+            self._attach_to_logging()
 
     def checkpoint(self, step: int, *, age_seconds: float = 0.0) -> None:
         """A checkpoint was committed `age_seconds` ago. Call it once per commit, never per
@@ -56,13 +70,86 @@ class ProgressDisplay:
             f"step {step}/{self.total_steps}  loss {loss:.4f}  {self._rate:.1f} steps/s  "
             f"last checkpoint: {ckpt}"
         )
-        if self.live:
-            self.stream.write("\r\033[K" + line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        with self._lock:
+            if self.live:
+                self.stream.write(CLEAR_LINE + line)
+                self._drawn = line
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
 
     def close(self) -> None:
-        if self.live:
-            self.stream.write("\n")
-            self.stream.flush()
+        """End the live line (the cursor moves to a fresh line) and give the log handlers
+        their own stream back."""
+        with self._lock:
+            if self._drawn:
+                self.stream.write("\n")
+                self.stream.flush()
+            self._drawn = ""
+        for handler, wrapper in self._wrapped:
+            if handler.stream is wrapper:
+                handler.setStream(wrapper.inner)
+        self._wrapped.clear()
+
+    def _attach_to_logging(self) -> None:
+        """Route every stream handler of the root and `runner` loggers that writes to our
+        stream (the same object, or the same terminal) through a `_ClearingStream`."""
+        handlers = [*logging.getLogger().handlers, *logging.getLogger("runner").handlers]
+        for handler in handlers:
+            if not isinstance(handler, logging.StreamHandler) or isinstance(
+                handler, logging.FileHandler
+            ):
+                continue
+            if isinstance(handler.stream, _ClearingStream) or not _same_stream(
+                handler.stream, self.stream
+            ):
+                continue
+            wrapper = _ClearingStream(handler.stream, self)
+            handler.setStream(wrapper)
+            self._wrapped.append((handler, wrapper))
+
+    def _before_log_write(self, inner: TextIO) -> bool:
+        """Called with the lock held: clear the progress line; True when one was drawn."""
+        if not self._drawn:
+            return False
+        inner.write(CLEAR_LINE)
+        return True
+
+    def _after_log_write(self, inner: TextIO) -> None:
+        inner.write(CLEAR_LINE + self._drawn)
+        inner.flush()
+
+
+class _ClearingStream:
+    """A log handler's stream while the progress line is live: each record is written on a
+    cleared line, then the progress line is drawn again under it."""
+
+    def __init__(self, inner: TextIO, display: ProgressDisplay) -> None:
+        self.inner = inner
+        self._display = display
+
+    def write(self, text: str) -> int:
+        display = self._display
+        with display._lock:
+            redraw = display._before_log_write(self.inner)
+            written = self.inner.write(text)
+            if redraw and text.endswith("\n"):
+                display._after_log_write(self.inner)
+            elif redraw:
+                display._drawn = ""  # a partial line now ends the stream: do not overwrite it
+            return written
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self.inner, name)
+
+
+def _same_stream(a: TextIO, b: TextIO) -> bool:
+    if a is b:
+        return True
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):
+        return False
