@@ -317,14 +317,15 @@ class TrainSession:
             )
             committed = self.writer.write_state(payload, meta=meta)
         except OSError as exc:
+            from runner.checkpoint.oserror_advice import oserror_advice
+
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("save")
             previous = self.last_checkpoint.step if self.last_checkpoint else self.resumed_from
             kept = f"step {previous} is intact" if previous is not None else "none existed yet"
             raise CheckpointWriteError(
                 f"checkpoint at step {counters.step} could not be written to {self.ckpt_dir}: "
-                f"{exc.strerror or exc}; the previous checkpoint: {kept}. Free space there or "
-                "use another --run-dir"
+                f"{exc.strerror or exc}; the previous checkpoint: {kept}. {oserror_advice(exc)}"
             ) from exc
         except RunnerError:
             if self.metrics is not None:

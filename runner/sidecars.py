@@ -136,11 +136,14 @@ class LossLog:
             self._on_failure()
         if self._failing_since is None:
             self._failing_since = time.monotonic()
+            from runner.checkpoint.oserror_advice import oserror_advice
+
             log.error(
                 "%s: could not append (%s); the lines are kept in memory and written once it "
-                "takes writes again, training and checkpoints go on. Free space on that disk",
+                "takes writes again, training and checkpoints go on. %s",
                 self.path,
                 exc.strerror or exc,
+                oserror_advice(exc, place="on that disk", alternative=None),
             )
 
     def _recovered(self) -> None:
