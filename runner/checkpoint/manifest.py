@@ -203,12 +203,39 @@ def utc_now_iso() -> str:
 
 
 def migrate(data: dict[str, Any], *, source: str) -> dict[str, Any]:
-    """Bring a manifest dict from any supported schema to SCHEMA_VERSION."""
-    schema = str(data.get("schema", data.get("version", "")))
+    """Bring a manifest dict from any supported schema to SCHEMA_VERSION.
+
+    A version this runner does not know is a SchemaError (possibly a newer runner's: kept,
+    never replaced); a manifest that names no version at all is malformed or not ours, an
+    IntegrityError (corrupt: it may be replaced or set aside like any corrupt checkpoint)."""
+    field_name = "schema" if "schema" in data else "version"  # v1 called it `version`
+    raw = data.get(field_name)
+    if (
+        field_name not in data
+        or isinstance(raw, bool)
+        or not isinstance(raw, str | int)
+        or not str(raw)
+    ):
+        what = (
+            "has no 'schema' field"
+            if field_name not in data
+            else f"has a malformed {field_name!r} field ({str(raw)[:40]!r})"
+        )
+        raise IntegrityError(
+            f"{source}: {what}: not a manifest spot-runner writes (each names its schema; this "
+            f"runner reads {', '.join(SUPPORTED_SCHEMAS)}), so the checkpoint is corrupt"
+        )
+    schema = str(raw)
     if schema not in SUPPORTED_SCHEMAS:
+        newer = schema.isdigit() and len(schema) < 10 and int(schema) > int(SCHEMA_VERSION)
+        hint = (
+            "a newer spot-runner wrote it: upgrade to read it"
+            if newer
+            else "not written by any spot-runner this one knows"
+        )
         raise SchemaError(
             f"{source}: unknown schema version {schema!r} (this runner reads "
-            f"{', '.join(SUPPORTED_SCHEMAS)}); upgrade spot-runner to read it"
+            f"{', '.join(SUPPORTED_SCHEMAS)}); {hint}"
         )
     if schema == "1":
         try:
