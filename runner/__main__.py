@@ -1,3 +1,3 @@
-from runner.cli.main import main
+from runner.entry import main
 
 main()

@@ -16,6 +16,8 @@ import sys
 import threading
 from typing import NoReturn
 
+from runner.preemption.early import ignore_for_teardown
+
 log = logging.getLogger(__name__)
 
 EXIT_HOOKS_BUDGET_S = 2.0
@@ -34,12 +36,15 @@ def exit_process(code: int) -> NoReturn:
     """Exit with `code`. Normally that is `sys.exit`; after abandoned work, or with non-daemon
     threads still running, the exit hooks run on a clock, streams are flushed and the process
     ends without joining threads. Call it only where the process is yours to end: the CLI's
-    entry point, or the end of a training script."""
+    entry point, or the end of a training script. From here on SIGTERM/SIGINT/SIGUSR1 are
+    ignored: a repeated signal cannot change the exit code."""
     stuck = [
         t.name
         for t in threading.enumerate()
         if t is not threading.main_thread() and not t.daemon and t.is_alive()
     ]
+    # the code is decided: no late signal may replace it (a no-op outside the main thread)
+    ignore_for_teardown()
     if not stuck and not _abandoned.is_set():
         sys.exit(code)
     log.warning(

@@ -90,12 +90,21 @@ with_env_defaults(cli)
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """The `runner` command. Called without argv it owns the process (console script,
-    `python -m runner`) and exits on time even with an upload thread stuck after a stop;
-    with argv (embedding, tests) it raises SystemExit as usual."""
-    code = _run(argv)
+    `python -m runner`, both through runner.entry, which records signals from the first
+    instant): it ignores repeated signals once the command returned and exits on time even
+    with an upload thread stuck after a stop; with argv (embedding, tests) it raises
+    SystemExit as usual and leaves signal handling alone."""
     if argv is None:
+        from runner.preemption import early
+
+        if not early.early_handlers_installed():  # entered through an old console script
+            early.install_early_handlers()
+        code = _run(argv)
+        # The code is decided: a SIGTERM from here on (Kubernetes and systemd repeat them,
+        # operators press Ctrl-C twice) is recorded and ignored instead of killing us.
+        early.ignore_late()
         exit_process(code)
-    sys.exit(code)
+    sys.exit(_run(argv))
 
 
 def _run(argv: list[str] | None) -> int:

@@ -5,7 +5,7 @@ non-blocking pipe. No lock is taken: a Python signal handler runs in the main th
 two bytecodes, possibly while that thread holds a lock (for example inside
 `threading.Event.set`), so a handler that takes a lock can deadlock the process. Appending to a
 list is atomic under the GIL, which is all the handler-side needs; readers derive the current
-answer (first reason, earliest deadline) from the requests recorded so far.
+answer (first reason by arrival time, earliest deadline) from the requests recorded so far.
 """
 
 from __future__ import annotations
@@ -45,9 +45,13 @@ class StopController:
         self._closed = False
 
     # -- called from signal handlers and other threads -------------------------------------
-    def request_stop(self, reason: str, *, deadline: float | None = None) -> None:
-        """Ask the loop to stop at the next step boundary. `deadline` is monotonic-based."""
-        self._stops.append(StopRequest(reason, deadline, self._clock()))
+    def request_stop(
+        self, reason: str, *, deadline: float | None = None, at: float | None = None
+    ) -> None:
+        """Ask the loop to stop at the next step boundary. `deadline` is monotonic-based;
+        `at` is when the request really arrived (a signal recorded before this controller
+        existed), default now."""
+        self._stops.append(StopRequest(reason, deadline, self._clock() if at is None else at))
         self._wake()
 
     def request_checkpoint(self, reason: str) -> None:
@@ -67,8 +71,11 @@ class StopController:
 
     @property
     def reason(self) -> str | None:
-        """Reason of the first stop request (the one that decided the stop)."""
-        return self._stops[0].reason if self._stops else None
+        """Reason of the first stop request to arrive (the one that decided the stop). By
+        arrival time, not by order of recording: a replayed early signal may be recorded
+        after one that came later (ties: the one recorded first)."""
+        stops = list(self._stops)
+        return min(stops, key=lambda r: r.at).reason if stops else None
 
     @property
     def deadline(self) -> float | None:
