@@ -1,11 +1,17 @@
 """`runner run -- CMD`: supervise any trainer.
 
-The trainer runs in its own process group with RUNNER_RUN_DIR, RUNNER_CKPT_DIR,
-RUNNER_RESUME_FROM and RUNNER_RESUME_FORMAT in its environment. SIGTERM / SIGINT / SIGUSR1
-(and cloud preemption notices, as a SIGTERM) are forwarded to the group; seed `.bin` files
-it writes are checked, committed with a manifest, mirrored and handed back on the next
-start. Crashes are restarted with exponential backoff up to `max_restarts`; then
-ChildFailedError shows its last output.
+The trainer runs in its own process group with the environment of `_child_env` (the README
+lists it). SIGTERM / SIGINT / SIGUSR1 (and cloud preemption notices, as a SIGTERM) are
+forwarded to the group; seed `.bin` files it writes are checked, committed with a manifest,
+mirrored and handed back on the next start.
+
+How an attempt ends decides what happens next (`_run_once`): exit 0 finishes, 75 on its own
+is passed on, 2 and 3 are passed on without a restart (a usage or integrity error repeats),
+any other exit or a death by a signal we did not send is restarted with exponential backoff
+up to `max_restarts`, then ChildFailedError shows each attempt's last output. After a
+stop we forwarded, 75 only when a final checkpoint stands (`_finish_stop`). Whatever the
+ending, every process the attempt left behind is swept before anything else happens
+(runner/supervisor_reap.py).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -29,21 +36,33 @@ from tenacity import (
 )
 
 from runner import runlock
-from runner.checkpoint.layout import CHECKPOINTS_DIR
+from runner.checkpoint.layout import CHECKPOINTS_DIR, parse_seed_bin, parse_step_dir
+from runner.checkpoint.reader import read_manifest_dir
 from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
-from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, ChildFailedError, ConfigError
+from runner.errors import (
+    EXIT_FAILURE,
+    EXIT_INTEGRITY,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    ChildFailedError,
+    ConfigError,
+    IntegrityError,
+    RunnerError,
+)
 from runner.preemption.stop import StopController
 from runner.sidecars import LossFollower, LossLog
 from runner.storage.file import FileStorage
 from runner.supervisor_adopt import Adopted, ResolveResume, ResumePoint, SeedAdopter, find_resume
 from runner.supervisor_child import (
     DEFAULT_TAIL_LINES,
+    AttemptOutput,
     ChildProcess,
-    OutputTail,
     describe_exit,
 )
+from runner.supervisor_reap import SWEEP_GRACE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +74,8 @@ ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
 ENV_RESUME_FORMAT = "RUNNER_RESUME_FORMAT"
 ENV_RESUME_STEP = "RUNNER_RESUME_STEP"
 ENV_ATTEMPT = "RUNNER_ATTEMPT"
+# Attempts whose output the give-up report shows (the last ones), each with its last lines.
+ATTEMPTS_SHOWN = 10
 SUPERVISOR_ONLY_ENV = frozenset(
     {"RUNNER_MIRROR", "RUNNER_METRICS_PORT", "RUNNER_NOTICES", "RUNNER_NOTICE_ENDPOINT"}
 )
@@ -94,6 +115,15 @@ class ChildCrashed(Exception):
         self.code = code
 
 
+class TrainerUsageError(ConfigError):
+    """The trainer exited 2 (usage / configuration error): restarting it would fail the same
+    way, so `runner run` exits 2 too."""
+
+
+class TrainerIntegrityError(IntegrityError):
+    """The trainer exited 3 (integrity failure): not restarted, `runner run` exits 3 too."""
+
+
 class Supervisor:
     def __init__(
         self,
@@ -128,11 +158,13 @@ class Supervisor:
             self.ckpt_dir, run_id=self.run_dir.name, writer_id=config.writer_id
         )
         self.adopter = SeedAdopter(self.run_dir, writer=self.writer)
-        self.tail = OutputTail(tail_lines)
+        self.tail_lines = tail_lines
+        self.outputs: deque[AttemptOutput] = deque(maxlen=ATTEMPTS_SHOWN)
         self._stdout = stdout or sys.stdout.buffer
         self._stderr = stderr or sys.stderr.buffer
         self.last_checkpoint: CommittedCheckpoint | None = None
-        self._checkpoint_at_stop: CommittedCheckpoint | None = None
+        # the newest step committed or waiting to be adopted when the stop was forwarded
+        self._step_at_stop: int | None = None
         self.attempts = 0
         self._loss = LossFollower(self.run_dir)
         self._step_from_loss = False
@@ -187,14 +219,29 @@ class Supervisor:
         )
 
     def _failure_message(self, crash: ChildCrashed) -> str:
-        tail = "\n".join(f"    {line}" for line in self.tail.lines()) or "    (no output)"
         restarts = self.config.max_restarts
         return (
             f"the trainer `{' '.join(self.command)}` failed {self.attempts} time(s), last with "
             f"{crash}; gave up after --max-restarts {restarts}. Fix the trainer (or raise "
             f"--max-restarts); checkpoints so far are kept in {self.ckpt_dir}. "
-            f"Its last output:\n{tail}"
+            f"{self._output_report()}"
         )
+
+    def _refusal_message(self, code: int) -> str:
+        what = "a usage or configuration error" if code == EXIT_USAGE else "an integrity failure"
+        return (
+            f"the trainer `{' '.join(self.command)}` exited {code} ({what}): not restarted, "
+            f"it would fail the same way. Fix its command or inputs; checkpoints so far are "
+            f"kept in {self.ckpt_dir}. {self._output_report()}"
+        )
+
+    def _output_report(self) -> str:
+        """Each attempt's last lines under a header of its own, stdout and stderr in the
+        order they were read."""
+        first = self.outputs[0].attempt if self.outputs else 1
+        hidden = f" (attempts 1 to {first - 1} not shown)" if first > 1 else ""
+        lines = [line for output in self.outputs for line in output.render()]
+        return f"Its last output, attempt by attempt{hidden}:\n" + "\n".join(lines)
 
     # -- one trainer process -------------------------------------------------------------------
     def _run_once(self) -> int:
@@ -228,16 +275,19 @@ class Supervisor:
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
         lock_fd = self._run_lock.fd if self._run_lock is not None else None
+        output = AttemptOutput(self.attempts, self.tail_lines)
+        self.outputs.append(output)
         child = ChildProcess(
             self.command,
             env=self._child_env(resume),
             stdout=self._stdout,
             stderr=self._stderr,
-            tail=self.tail,
+            tail=output.tail,
             # an orphaned trainer (supervisor SIGKILLed) keeps the run dir locked: no second
             # supervisor starts a second writer beside it
             pass_fds=() if lock_fd is None else (lock_fd,),
         )
+        output.pid = child.pid
         log.info(
             "started trainer pid %d (attempt %d), resume from %s",
             child.pid,
@@ -245,15 +295,20 @@ class Supervisor:
             resume.payload if resume else "scratch",
         )
         try:
-            stop_sent_at = self._watch(child)
+            stop_sent_at, killed = self._watch(child)
         except BaseException:
             # The supervisor itself failed: do not leave the trainer running unsupervised.
             child.terminate(grace_seconds=min(10.0, self.config.grace_seconds))
+            child.sweep(grace_seconds=1.0)
             raise
-        code = child.finish()
+        code = child.finish(sweep_grace=self._sweep_grace())
+        # Before judging its files or starting another attempt: nothing it started may still
+        # write into the checkpoint directory.
+        self._sweep(child)
+        output.ended = f"{describe_exit(code)} after {time.monotonic() - child.started_at:.1f} s"
         self._adopt(settled=True)
         if stop_sent_at is not None:
-            return self._unless_lost(self._finish_stop(code, stop_sent_at))
+            return self._unless_lost(self._finish_stop(code, stop_sent_at, killed=killed))
         self._report_step()
         if code == EXIT_OK:
             log.info("trainer finished (exit 0)")
@@ -261,7 +316,29 @@ class Supervisor:
         if code == EXIT_PREEMPTED:
             log.warning("trainer exited 75 on its own (preempted); passing it on")
             return self._unless_lost(EXIT_PREEMPTED)
+        if code == EXIT_USAGE:
+            raise TrainerUsageError(self._refusal_message(code))
+        if code == EXIT_INTEGRITY:
+            raise TrainerIntegrityError(self._refusal_message(code))
         raise ChildCrashed(code)
+
+    def _sweep_grace(self) -> float:
+        """SIGTERM to SIGKILL for leftovers: short, and shorter still near a stop deadline."""
+        left = self.controller.time_left()
+        if left is None:
+            return SWEEP_GRACE_SECONDS
+        return min(SWEEP_GRACE_SECONDS, max(0.2, left))
+
+    def _sweep(self, child: ChildProcess) -> None:
+        swept = child.sweep(grace_seconds=self._sweep_grace())
+        if swept:
+            log.warning(
+                "the trainer (pid %d) left %d process(es) running after it exited: "
+                "terminated pids %s",
+                child.pid,
+                len(swept),
+                " ".join(str(pid) for pid in swept),
+            )
 
     def _unless_lost(self, code: int) -> int:
         """`code`, unless the trainer's newest checkpoint was rejected (or left open for
@@ -271,9 +348,10 @@ class Supervisor:
         self.adopter.raise_if_lost(newest)
         return code
 
-    def _watch(self, child: ChildProcess) -> float | None:
+    def _watch(self, child: ChildProcess) -> tuple[float | None, bool]:
         """Forward signals and adopt checkpoints until the trainer exits. Returns when the
-        stop was forwarded (monotonic), or None if the trainer ended on its own."""
+        stop was forwarded (monotonic, None if the trainer ended on its own) and whether it
+        was killed at the end of the grace period."""
         stop_sent_at: float | None = None
         killed = False
         while child.poll() is None:
@@ -296,13 +374,15 @@ class Supervisor:
             if time_left is not None and not killed:
                 wait = max(0.0, min(wait, time_left))
             self.controller.wait_any(wait)
-        return stop_sent_at
+        return stop_sent_at, killed
 
     def _forward_stop(self, child: ChildProcess) -> float:
         reason = self.controller.reason or "stop"
         sig = signal.SIGINT if reason == "SIGINT" else signal.SIGTERM
+        # Recorded before the signal: a checkpoint newer than this was committed during
+        # the stop. A seed file renamed into place but not adopted yet was written before it.
+        self._step_at_stop = self._newest_step_now()
         child.signal_group(sig)
-        self._checkpoint_at_stop = self.last_checkpoint
         if reason in ("SIGTERM", "SIGINT") and self.metrics is not None:
             self.metrics.preemption_notice("sigterm")
         left = self.controller.time_left()
@@ -335,33 +415,121 @@ class Supervisor:
         )
         return EXIT_FAILURE
 
-    def _finish_stop(self, code: int, stop_sent_at: float) -> int:
+    def _finish_stop(self, code: int, stop_sent_at: float, *, killed: bool) -> int:
+        """After a stop we forwarded: 75 only when a final checkpoint stands, else 1 (2 or 3
+        when the trainer exited so). A final checkpoint is the newest committed one when
+
+        - it was committed during this stop (its step is newer than every checkpoint
+          committed, or seed file waiting to be adopted, when the stop was forwarded: a seed
+          trainer's adopted .bin, or a checkpoint dir a runner child committed), or
+        - the trainer exited 0 or 75 on its own (not killed at the deadline): its state at the
+          stop was already committed, e.g. a runner child stopped right after a save;
+
+        and, in both cases, the trainer's loss.jsonl (when it keeps one) logs no step past it
+        and no seed file of a later step was left unadopted (then `_unless_lost` exits 3).
+        """
         took = time.monotonic() - stop_sent_at
         grace = self.config.grace_seconds
+        newest = self._newest_committed()
+        if newest is not None and (
+            self.last_checkpoint is None or newest.step > self.last_checkpoint.step
+        ):
+            self.last_checkpoint = newest  # committed by the trainer itself (a runner child)
         ckpt = self.last_checkpoint
+        at_stop = self._step_at_stop
+        fresh = ckpt is not None and (at_stop is None or ckpt.step > at_stop)
+        clean = not killed and code in (EXIT_OK, EXIT_PREEMPTED)
+        logged = self._last_logged_step()
+        lost_steps = ckpt is not None and logged is not None and logged > ckpt.step
+        # a newer file of the trainer's that was not adopted: its final one was lost
+        rejected = ckpt is not None and any(
+            item.step >= ckpt.step for item in self.adopter.not_adopted.values()
+        )
+        final = ckpt is not None and (fresh or clean) and not lost_steps and not rejected
+        how = "killed at the end of the grace period" if killed else describe_exit(code)
         if ckpt is None:
-            log.error("trainer stopped (%s) without committing any checkpoint", describe_exit(code))
-        else:
-            fresh = ckpt is not self._checkpoint_at_stop
+            log.error(
+                "trainer stopped (%s) without committing any checkpoint: none stands in %s, "
+                "the next start begins from scratch",
+                how,
+                self.ckpt_dir,
+            )
+        elif final:
             log.warning(
                 "trainer stopped (%s) %.2f s after the stop signal (grace %.0f s); "
                 "%s checkpoint: step %d",
-                describe_exit(code),
+                how,
                 took,
                 grace,
-                "final" if fresh else "newest (no new one was written)",
+                "final" if fresh else "final (already committed before the stop)",
                 ckpt.step,
             )
-            if self.mirror is not None:
-                ok = self.mirror.upload_now(ckpt, deadline=self.controller.deadline)
-                log.warning(
-                    "final checkpoint step %d %s the mirror",
-                    ckpt.step,
-                    "is in" if ok else "did NOT reach",
-                )
+        else:
+            past = f"; steps up to {logged} it logged after it are lost" if lost_steps else ""
+            log.error(
+                "trainer stopped (%s) %.2f s after the stop signal (grace %.0f s) without "
+                "committing a final checkpoint; the checkpoint that stands is step %d in %s, "
+                "committed %s%s",
+                how,
+                took,
+                grace,
+                ckpt.step,
+                ckpt.path,
+                "during the stop" if fresh else "before the stop",
+                past,
+            )
+        if ckpt is not None and self.mirror is not None:
+            ok = self.mirror.upload_now(ckpt, deadline=self.controller.deadline)
+            log.warning(
+                "%s checkpoint step %d %s the mirror",
+                "final" if final else "newest",
+                ckpt.step,
+                "is in" if ok else "did NOT reach",
+            )
         if self.controller.stop_count > 1:
             log.info("%d stop requests received; the first one decided", self.controller.stop_count)
-        return EXIT_PREEMPTED
+        if final:
+            return EXIT_PREEMPTED
+        exit_code = code if not killed and code in (EXIT_USAGE, EXIT_INTEGRITY) else EXIT_FAILURE
+        log.error("exiting %d, not 75: no final checkpoint was committed for this stop", exit_code)
+        return exit_code
+
+    def _newest_committed(self) -> CommittedCheckpoint | None:
+        """The newest checkpoint directory with a valid manifest (committed; not hashed here:
+        resume verifies it)."""
+        try:
+            entries = list(self.ckpt_dir.iterdir())
+        except OSError:
+            return None
+        steps = sorted(
+            ((step, e) for e in entries if (step := parse_step_dir(e.name)) is not None),
+            reverse=True,
+        )
+        for step, step_dir in steps:
+            try:
+                manifest = read_manifest_dir(step_dir)
+            except (OSError, RunnerError, ValueError):
+                continue
+            return CommittedCheckpoint(step=step, path=step_dir, manifest=manifest)
+        return None
+
+    def _newest_step_now(self) -> int | None:
+        committed = self._newest_committed()
+        steps = [parse_seed_bin(p.name) for p in self.adopter.pending()]
+        known = [s for s in steps if s is not None]
+        if committed is not None:
+            known.append(committed.step)
+        if self.last_checkpoint is not None:
+            known.append(self.last_checkpoint.step)
+        return max(known, default=None)
+
+    def _last_logged_step(self) -> int | None:
+        """The newest step in the trainer's loss.jsonl, None when it keeps none."""
+        try:
+            logged = LossLog(self.run_dir).read()
+        except (OSError, RunnerError, ValueError):
+            return None
+        return max(logged, default=None)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _adopt(self, *, settled: bool) -> list[Adopted]:

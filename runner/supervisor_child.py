@@ -1,10 +1,11 @@
 """One run of the supervised trainer: its own process group, its output passed through and
-the last lines kept for the error report."""
+the last lines kept for the error report, and every process it left behind swept away."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
 import subprocess
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
 from runner.errors import ConfigError
+from runner.supervisor_reap import SWEEP_GRACE_SECONDS, Descendants
 
 DEFAULT_TAIL_LINES = 30
 
@@ -32,6 +34,23 @@ class OutputTail:
     def lines(self) -> list[str]:
         with self._lock:
             return list(self._lines)
+
+
+class AttemptOutput:
+    """The last output lines of one trainer attempt and how it ended, for the report shown
+    when the supervisor gives up or refuses to restart."""
+
+    def __init__(self, attempt: int, lines: int) -> None:
+        self.attempt = attempt
+        self.tail = OutputTail(lines)
+        self.pid: int | None = None
+        self.ended: str | None = None
+
+    def render(self) -> list[str]:
+        pid = f" (pid {self.pid})" if self.pid is not None else ""
+        ended = f": {self.ended}" if self.ended else ""
+        body = [f"    {line}" for line in self.tail.lines()] or ["    (no output)"]
+        return [f"  --- attempt {self.attempt}{pid}{ended} ---", *body]
 
 
 class ChildProcess:
@@ -53,6 +72,8 @@ class ChildProcess:
     ) -> None:
         """`pass_fds`: descriptors the trainer inherits (the run dir's lock, so that the lock
         outlives a supervisor killed while its trainer still runs)."""
+        # taken before the start: what is our child now is not this trainer's
+        self.descendants = Descendants()
         try:
             self._proc = subprocess.Popen(
                 list(command),
@@ -68,16 +89,16 @@ class ChildProcess:
         self.pid = self._proc.pid
         self.started_at = time.monotonic()
         assert self._proc.stdout is not None and self._proc.stderr is not None  # PIPE above
-        self._pumps = [
-            threading.Thread(
-                target=_pump, args=(self._proc.stdout, stdout, tail), daemon=True, name="out"
-            ),
-            threading.Thread(
-                target=_pump, args=(self._proc.stderr, stderr, tail), daemon=True, name="err"
-            ),
-        ]
-        for pump in self._pumps:
-            pump.start()
+        # One thread reads both pipes: the tail gets stdout and stderr lines in the order
+        # they were read (two threads would append in whatever order they were scheduled).
+        self._pump = threading.Thread(
+            target=_pump,
+            args=((self._proc.stdout, stdout), (self._proc.stderr, stderr)),
+            kwargs={"tail": tail},
+            daemon=True,
+            name="trainer-output",
+        )
+        self._pump.start()
 
     def poll(self) -> int | None:
         return self._proc.poll()
@@ -99,18 +120,22 @@ class ChildProcess:
             self.signal_group(signal.SIGKILL)
         return self.finish()
 
-    def finish(self, *, drain_seconds: float = 2.0) -> int:
-        """Wait for the trainer to exit and its output to drain. Members of its group that
-        outlive it (and would keep the pipes open) are killed after `drain_seconds`."""
+    def finish(self, *, drain_seconds: float = 2.0, sweep_grace: float | None = None) -> int:
+        """Wait for the trainer to exit, then for its output to drain. Processes it left
+        running that keep the pipes open are swept after `drain_seconds` (see `sweep`)."""
         code = self._proc.wait()
-        end = time.monotonic() + drain_seconds
-        for pump in self._pumps:
-            pump.join(max(0.0, end - time.monotonic()))
-        if any(p.is_alive() for p in self._pumps):
-            self.signal_group(signal.SIGKILL)
-            for pump in self._pumps:
-                pump.join(drain_seconds)
+        self._pump.join(drain_seconds)
+        if self._pump.is_alive():
+            self.sweep(grace_seconds=sweep_grace)
+            self._pump.join(drain_seconds)
         return code
+
+    def sweep(self, *, grace_seconds: float | None = None) -> list[int]:
+        """SIGTERM, then SIGKILL, every process this trainer left behind (its group, its
+        detached helpers: runner/supervisor_reap.py); the pids signalled."""
+        grace = grace_seconds if grace_seconds is not None else SWEEP_GRACE_SECONDS
+        keep = self.pid if self._proc.returncode is None else None
+        return self.descendants.sweep(grace_seconds=grace, keep=keep)
 
 
 def describe_exit(code: int) -> str:
@@ -121,27 +146,36 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _pump(src: BinaryIO, dst: BinaryIO, tail: OutputTail) -> None:
+def _pump(*streams: tuple[BinaryIO, BinaryIO], tail: OutputTail) -> None:
     """Copy the child's output through as it comes (progress bars included) and remember
-    the last lines."""
-    pending = b""
-    fd = src.fileno()
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        with contextlib.suppress(OSError, ValueError):
-            dst.write(chunk)
-            dst.flush()
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        for line in complete:
-            tail.add(line.decode("utf-8", "replace").rstrip("\r"))
-        if len(pending) > 65536:  # a line without end: keep its tail only
-            pending = pending[-4096:]
-    if pending:
-        tail.add(pending.decode("utf-8", "replace"))
-    src.close()
+    the last lines, each stream's lines in the order they were read."""
+    selector = selectors.DefaultSelector()
+    pending: dict[int, bytes] = {}
+    for src, dst in streams:
+        selector.register(src.fileno(), selectors.EVENT_READ, (src, dst))
+        pending[src.fileno()] = b""
+    while selector.get_map():
+        for key, _ in selector.select():
+            src, dst = key.data
+            fd = key.fd
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                selector.unregister(fd)
+                if pending[fd]:
+                    tail.add(pending[fd].decode("utf-8", "replace"))
+                src.close()
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                dst.write(chunk)
+                dst.flush()
+            data = pending[fd] + chunk
+            *complete, rest = data.split(b"\n")
+            for line in complete:
+                tail.add(line.decode("utf-8", "replace").rstrip("\r"))
+            if len(rest) > 65536:  # a line without end: keep its tail only
+                rest = rest[-4096:]
+            pending[fd] = rest
+    selector.close()

@@ -156,7 +156,7 @@ def test_bad_final_checkpoint_after_sigterm_exits_3_not_75(tmp_path: Path) -> No
     assert _sha(run_dir / "checkpoints" / "step_000002.bin.rejected") == _written(out, 2)
     assert list_checkpoints(FileStorage(run_dir)) == [1]
     assert list_checkpoints(FileStorage(mirror)) == [1]  # the previous one is in the mirror
-    assert "final checkpoint step 1 is in the mirror" in err
+    assert "newest checkpoint step 1 is in the mirror" in err  # not final: step 2 was bad
     assert "The newest usable checkpoint is step 1" in err
 
 

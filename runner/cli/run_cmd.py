@@ -47,18 +47,24 @@ def run(
     """Supervise a trainer written in any language.
 
     The trainer gets RUNNER_RUN_DIR, RUNNER_CKPT_DIR, RUNNER_RESUME_FROM (the newest
-    verified checkpoint's payload, empty when none) and RUNNER_RESUME_FORMAT (its format:
-    seed-bin, torch-state or torch-sharded; a trainer refuses one it cannot read).
-    Seed-format step_NNNNNN.bin files it writes into RUNNER_CKPT_DIR (temp name, then rename)
-    are checked, committed with a manifest, mirrored and handed back on resume.
-    SIGTERM/SIGINT/SIGUSR1 are forwarded to its process group; crashes are restarted with
-    exponential backoff up to --max-restarts.
+    verified checkpoint's payload, empty when none), RUNNER_RESUME_FORMAT (its format:
+    seed-bin, torch-state or torch-sharded; a trainer refuses one it cannot read),
+    RUNNER_RESUME_STEP, RUNNER_ATTEMPT and RUNNER_RUN_LOCK_TOKEN (README: "Supervise any
+    trainer"). Seed-format step_NNNNNN.bin files it writes into RUNNER_CKPT_DIR (temp name,
+    then rename) are checked, committed with a manifest, mirrored and handed back on resume.
+    SIGTERM/SIGINT/SIGUSR1 are forwarded to its process group. An exit other than 0, 2, 3
+    and 75, or a death by a signal we did not send, is restarted with exponential backoff up
+    to --max-restarts. Every process the trainer leaves behind is terminated before the next
+    attempt or the exit, whatever its process group or session.
 
     Only finished files are adopted: renamed into place, or any once the trainer exited;
     never one still open for writing.
 
-    Exit codes: 0 the trainer finished, 75 stopped by a signal or a preemption notice, 3 its
-    newest checkpoint was rejected (kept as .rejected) and no later one was committed.
+    Exit codes: 0 the trainer finished; 75 stopped by a signal or a preemption notice with a
+    final checkpoint committed; 1 stopped without one (e.g. killed at the end of the grace
+    period), or it kept crashing; 2 / 3 the trainer exited 2 / 3 (not restarted); 3 also
+    when its newest checkpoint was rejected (kept as .rejected) and no later one was
+    committed.
     """
     config = RunConfig(
         run_dir=Path(run_dir),
@@ -98,9 +104,13 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
     from runner.preemption.stop import StopController
     from runner.services import run_services
     from runner.supervisor import Supervisor
+    from runner.supervisor_reap import become_subreaper
 
     controller = StopController()
     restore = install_signal_handlers(controller, grace_seconds=config.grace_seconds)
+    # Orphans of the trainer's tree (a `setsid` helper, a double-forked daemon) re-parent to
+    # us, so the supervisor's sweep finds and stops them (runner/supervisor_reap.py).
+    become_subreaper()
     with contextlib.ExitStack() as stack:
         stack.callback(restore)
         stack.callback(controller.close)

@@ -9,8 +9,8 @@
  *   SIGTERM / SIGINT -> checkpoint at the end of the step, exit 0
  * Usage: seed_trainer TOTAL_STEPS N_PARAMS STEP_MS CKPT_EVERY
  * Fault injection (environment):
- *   TRAINER_CRASH_AT=k       exit 3 after step k when started without a checkpoint
- *   TRAINER_ALWAYS_CRASH_AT=k  exit 3 after step k on every start
+ *   TRAINER_CRASH_AT=k       exit 1 after step k when started without a checkpoint
+ *   TRAINER_ALWAYS_CRASH_AT=k  exit 1 after step k on every start
  *   TRAINER_BAD_BIN_AT=k     at step k write a checkpoint 4 bytes short
  */
 #include <errno.h>
@@ -148,7 +148,7 @@ int main(int argc, char **argv) {
         nap.tv_nsec = (long)(step_ms % 1000) * 1000000L;
         if (step == crash_at || step == always_crash_at) {
             fprintf(stderr, "boom: simulated crash after step %d\n", step);
-            return 3;
+            return 1;
         }
         if (step == bad_at) write_ckpt(dir, step, n, w, m, v, 1);
         else if ((every > 0 && step % every == 0) || ckpt_flag || stop_flag || step == total)

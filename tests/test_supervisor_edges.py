@@ -1,0 +1,174 @@
+"""`runner run` at its edges, with real processes and real signals: the exit code tells the
+truth about the final checkpoint, exit codes 2 and 3 are not retried, nothing the trainer
+started outlives the supervisor, and the give-up report keeps attempts apart."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runner.checkpoint.reader import list_checkpoints
+from runner.storage.file import FileStorage
+from tests.test_supervisor import Supervised
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = [sys.executable, str(REPO / "tests" / "trainers" / "edge_trainer.py")]
+
+
+@pytest.fixture
+def started() -> Iterator[list[Supervised]]:
+    runs: list[Supervised] = []
+    yield runs
+    for run in runs:
+        run.kill()
+
+
+@pytest.fixture
+def pid_dir(tmp_path: Path) -> Iterator[Path]:
+    """Where trainers write the pids of the processes they leave behind; any still alive
+    after the test is killed by pid."""
+    d = tmp_path / "pids"
+    d.mkdir()
+    yield d
+    for pid in _pids(d):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _pids(d: Path) -> list[int]:
+    f = d / "pids"
+    return [int(p) for p in f.read_text().split()] if f.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _run(runs: list[Supervised], run_dir: Path, *args: str) -> Supervised:
+    s = Supervised(["--run-dir", str(run_dir), "--restart-backoff", "0.05", *args])
+    runs.append(s)
+    return s
+
+
+def test_trainer_that_ignores_sigterm_and_commits_nothing_exits_1_naming_the_standing_checkpoint(
+    tmp_path: Path, started: list[Supervised]
+) -> None:
+    run_dir = tmp_path / "run"
+    s = _run(started, run_dir, "--grace-seconds", "1", "--", *TRAINER, "stubborn")
+    s.expect("^ready$")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(timeout=30) == 1, s.err
+    step5 = run_dir.absolute() / "checkpoints" / "step_000005"
+    assert (
+        "trainer stopped (killed at the end of the grace period)" in s.err
+        and "without committing a final checkpoint; the checkpoint that stands is step 5 in "
+        f"{step5}, committed before the stop"
+        in s.err
+    ), s.err
+    assert "exiting 1, not 75" in s.err
+    assert list_checkpoints(FileStorage(run_dir)) == [5]
+
+
+def test_clean_exit_on_stop_with_its_step_already_committed_is_75(
+    tmp_path: Path, started: list[Supervised]
+) -> None:
+    """Nothing new during the stop, but the trainer exited cleanly and its loss log ends at
+    the committed step: its state at the stop is that checkpoint."""
+    run_dir = tmp_path / "run"
+    s = _run(started, run_dir, "--", *TRAINER, "clean-stop", "5")
+    s.expect("^ready$")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(timeout=30) == 75, s.err
+    assert "final (already committed before the stop) checkpoint: step 5" in s.err
+
+
+def test_clean_exit_on_stop_with_steps_logged_past_the_checkpoint_is_not_75(
+    tmp_path: Path, started: list[Supervised]
+) -> None:
+    run_dir = tmp_path / "run"
+    s = _run(started, run_dir, "--", *TRAINER, "clean-stop", "7")
+    s.expect("^ready$")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(timeout=30) == 1, s.err
+    assert "the checkpoint that stands is step 5" in s.err
+    assert "steps up to 7 it logged after it are lost" in s.err
+
+
+@pytest.mark.parametrize("code", [2, 3])
+def test_child_exit_2_or_3_is_not_restarted_and_passed_on(
+    tmp_path: Path, started: list[Supervised], code: int
+) -> None:
+    s = _run(started, tmp_path / "run", "--max-restarts", "3", "--", *TRAINER, "exit", str(code))
+    assert s.wait(timeout=30) == code, s.err
+    assert s.stdout == ["attempt 1"]  # exactly one attempt
+    assert "restart" not in s.err.replace("not restarted", "")
+    assert f"exited {code} (" in s.err and "not restarted, it would fail the same way" in s.err
+    assert "--- attempt 1 (pid " in s.err and ": exit code " + str(code) in s.err
+
+
+def test_setsid_double_forked_helper_ignoring_sigterm_is_gone_after_exit(
+    tmp_path: Path, started: list[Supervised], pid_dir: Path
+) -> None:
+    s = _run(started, tmp_path / "run", "--", *TRAINER, "leave-setsid", str(pid_dir))
+    s.expect("^ready$")
+    (helper,) = _pids(pid_dir)
+    assert _alive(helper)
+    assert os.getsid(helper) != os.getsid(s.proc.pid)  # out of the trainer's session
+    (pid_dir / "go").touch()
+    assert s.wait(timeout=30) == 0, s.err
+    assert not _alive(helper)
+    assert f"terminated pids {helper}" in s.err
+
+
+def test_helper_in_the_trainers_group_ignoring_sigterm_is_gone_after_the_stop(
+    tmp_path: Path, started: list[Supervised], pid_dir: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    s = _run(started, run_dir, "--", *TRAINER, "leave-group", str(pid_dir))
+    s.expect("^ready$")
+    (helper,) = _pids(pid_dir)
+    assert _alive(helper)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(timeout=30) == 75, s.err  # step 1 was committed during the stop
+    assert not _alive(helper)
+    assert list_checkpoints(FileStorage(run_dir)) == [1]
+    assert f"terminated pids {helper}" in s.err
+
+
+def test_restart_waits_until_the_crashed_attempts_helpers_are_gone(
+    tmp_path: Path, started: list[Supervised], pid_dir: Path
+) -> None:
+    s = _run(started, tmp_path / "run", "--", *TRAINER, "crash-leaving", str(pid_dir))
+    assert s.wait(timeout=30) == 0, s.err
+    (helper,) = _pids(pid_dir)
+    assert s.stdout == [
+        "attempt 1 left a helper and crashes",
+        "attempt 2: leftover alive: no",
+    ]
+    assert not _alive(helper)
+
+
+def test_give_up_report_has_one_header_per_attempt_and_lines_in_order(
+    tmp_path: Path, started: list[Supervised]
+) -> None:
+    s = _run(started, tmp_path / "run", "--max-restarts", "2", "--", *TRAINER, "interleave")
+    assert s.wait(timeout=60) == 1, s.err
+    report = s.err[s.err.index("Its last output, attempt by attempt:") :].splitlines()[1:]
+    header = r"  --- attempt {n} \(pid \d+\): exit code 1 after \d+\.\d s ---"
+    expected = []
+    for n in (1, 2, 3):
+        expected += [header.format(n=n), f"    out A{n}", f"    err B{n}", f"    out C{n}"]
+    assert len(report) >= len(expected), s.err
+    for pattern, line in zip(expected, report, strict=False):
+        assert re.fullmatch(pattern, line), (pattern, line, s.err)
