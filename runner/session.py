@@ -44,6 +44,7 @@ from runner.policy import SavePolicy
 from runner.preemption.stop import StopController
 from runner.services import Services, run_services
 from runner.sidecars import LossLog
+from runner.startup import StartupInterrupted, run_interruptible
 from runner.train_state import Counters
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class TrainSession:
         self.exit_code: int | None = None
         self.final_save_seconds: float | None = None
         self.final_upload_landed: bool | None = None
+        # a stop gave up on start-up's store work: finish() then leaves the store alone
+        self.startup_given_up = False
         # steps committed or resumed from by this process: retention need not re-hash them
         self._known_good: set[int] = set()
 
@@ -166,9 +169,17 @@ class TrainSession:
     # -- resume -------------------------------------------------------------------------------
 
     def restore(self) -> int | None:
-        """Continue from the newest checkpoint that verifies (local or mirror); returns its step."""
+        """Continue from the newest checkpoint that verifies (local or mirror); returns its step.
+
+        The store-bound part runs in a worker that a stop request gives up on (runner.startup):
+        then nothing is restored or trained, `should_stop` is true and `finish()` exits 75
+        without saving or uploading anything; every checkpoint stays as it was."""
         self.writer.cleanup_partial()
-        found = self._load_newest()
+        try:
+            found = run_interruptible(self._load_newest, stop=self.stop, what="resume resolution")
+        except StartupInterrupted as exc:
+            self._give_up_startup(exc)
+            return None
         if found is None:
             log.info("no checkpoint to resume from in %s: starting at step 0", self.run_dir)
             self.policy = self._policy(start_step=0)
@@ -203,7 +214,16 @@ class TrainSession:
             self.metrics.train_step(counters.step)
             self.metrics.checkpoint_found(location="local", step=manifest.step, created_at=created)
         if self.mirror is not None:
-            if self._mirror_holds(manifest.step):
+            try:
+                held = run_interruptible(
+                    lambda: self._mirror_holds(manifest.step),
+                    stop=self.stop,
+                    what="checking the mirror's copy",
+                )
+            except StartupInterrupted as exc:
+                self._give_up_startup(exc)
+                return counters.step
+            if held:
                 if self.metrics is not None:
                     self.metrics.checkpoint_found(
                         location="remote", step=manifest.step, created_at=created
@@ -221,6 +241,15 @@ class TrainSession:
             f"; {lost} logged steps after it are redone" if lost else "",
         )
         return counters.step
+
+    def _give_up_startup(self, exc: StartupInterrupted) -> None:
+        self.startup_given_up = True
+        where = (
+            f"checkpoint step {self.resumed_from} stands in {self.ckpt_dir}"
+            if self.resumed_from is not None
+            else f"checkpoints in {self.ckpt_dir} (if any) are as they were"
+        )
+        log.warning("%s; nothing trained, %s", exc, where)
 
     def _load_newest(self) -> tuple[Manifest, dict[str, Any]] | None:
         """The newest checkpoint that verifies and loads, from the run dir or the mirror;
@@ -388,14 +417,14 @@ class TrainSession:
         self.final_save_seconds = time.monotonic() - started
         if ckpt is None:
             ckpt = self.resumed_checkpoint  # nothing new: the one resumed from must be mirrored
-        if self.mirror is not None and ckpt is not None:
+        if self.mirror is not None and ckpt is not None and not self.startup_given_up:
             deadline = self.stop.deadline if stopped else None
             if stopped and deadline is None:
                 deadline = started + self.config.grace_seconds
             self.final_upload_landed = self.mirror.upload_now(ckpt, deadline=deadline)
         elapsed = time.monotonic() - started
         if stopped:
-            self._report_stop(elapsed)
+            self._report_stop(elapsed, ckpt)
         self.exit_code = EXIT_PREEMPTED if stopped else EXIT_OK
         if not stopped and ckpt is not None and self.final_upload_landed is False:
             assert self.mirror is not None  # final_upload_landed is only set with a mirror
@@ -413,10 +442,21 @@ class TrainSession:
             self.exit_code = EXIT_FAILURE
         return self.exit_code
 
-    def _report_stop(self, elapsed: float) -> None:
+    def _report_stop(self, elapsed: float, ckpt: CommittedCheckpoint | None) -> None:
         budget = self.config.grace_seconds
+        if ckpt is None:
+            # 75 all the same: nothing was trained, so nothing was lost (docs/preemption.md)
+            log.warning(
+                "stopped by %s at step %d before anything was trained: no checkpoint to "
+                "write, nothing lost",
+                self.stop.reason,
+                self.step,
+            )
+            return
         where = "local"
-        if self.mirror is not None:
+        if self.startup_given_up:
+            where = "local (mirror not contacted: start-up was given up on)"
+        elif self.mirror is not None:
             where = (
                 "local + mirror"
                 if self.final_upload_landed

@@ -22,6 +22,7 @@ from runner.checkpoint.manifest import FileEntry, Manifest
 from runner.checkpoint.reader import check_payload_counters, read_manifest, verify_dir
 from runner.errors import CheckpointConflictError, IntegrityError, SchemaError
 from runner.mirror.remote_layout import to_local
+from runner.startup import publishing
 from runner.storage.base import ProgressCallback, Storage
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ def download_checkpoint(
         check_payload_counters(staging, local)
         atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
         fsync_dir(staging)
-        _publish(staging, final)
+        with publishing():  # never once a stop has given start-up up (runner.startup)
+            _publish(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("downloaded checkpoint step %d from %s to %s", step, storage.uri, final)

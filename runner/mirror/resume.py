@@ -40,6 +40,7 @@ from runner.errors import (
     UnusableCheckpointsError,
 )
 from runner.mirror.download import download_checkpoint
+from runner.startup import check_not_abandoned, publishing
 from runner.storage.base import ProgressCallback, Storage
 
 log = logging.getLogger(__name__)
@@ -268,9 +269,10 @@ def _try_remote(
                 return None
         final = ckpt_dir / step_dir_name(step)
         old = replacing.local_path if replacing is not None else None
-        if replacing is not None and old is not None and (old.exists() or old.is_symlink()):
-            set_aside_local(run_dir, old, reason=FOREIGN if replacing.foreign else CORRUPT)
-        os.rename(staged, final)
+        with publishing():  # never once a stop has given start-up up (runner.startup)
+            if replacing is not None and old is not None and (old.exists() or old.is_symlink()):
+                set_aside_local(run_dir, old, reason=FOREIGN if replacing.foreign else CORRUPT)
+            os.rename(staged, final)
         fsync_dir(ckpt_dir)
         return ResumeChoice(step_dir=final, manifest=manifest, loaded=loaded, from_mirror=True)
     finally:
@@ -300,8 +302,10 @@ def _set_aside(run_dir: Path, refused: list[Refusal]) -> None:
     for r in refused:
         reason = FOREIGN if r.foreign else CORRUPT
         if r.local_path is not None and r.local_path.exists():
-            set_aside_local(run_dir, r.local_path, reason=reason)
+            with publishing():
+                set_aside_local(run_dir, r.local_path, reason=reason)
         elif r.remote is not None:
+            check_not_abandoned()  # a store call may hang: not under the gate's lock
             decommit_remote(r.remote, r.step, reason=reason)
     log.warning(
         "--fresh-start: %d unusable checkpoint(s) set aside (listed above); starting at step 0",
