@@ -1,0 +1,176 @@
+"""A stop request interrupts start-up (issue 10, item 2, the stop half): `runner demo` whose
+mirror accepts connections and never answers exits 75 on SIGTERM within the grace period,
+and a download given up on is never published into the run dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.errors import EXIT_PREEMPTED
+from runner.mirror.resume import choose_resume
+from runner.preemption.stop import StopController
+from runner.startup import StartupInterrupted, run_interruptible
+from runner.storage.base import ProgressCallback
+from runner.storage.file import FileStorage
+from tests.demo_process import checkpoint_steps, demo_cmd, logged_steps
+from tests.fixtures.blackhole import FakeBlackholeServer
+from tests.fixtures.ckpt import SaveCheckpoint
+
+REPO = Path(__file__).resolve().parents[1]
+GRACE_S = 5
+
+
+def _fake_store_env(endpoint: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    return {
+        **env,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "fake-key",
+        "AWS_SECRET_ACCESS_KEY": "fake-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+def _sigterm_during_startup(run_dir: Path) -> tuple[int, str, float]:
+    """Start the demo against the fake store, SIGTERM once it is talking to it; returns
+    (exit code, stderr, seconds from SIGTERM to exit)."""
+    with FakeBlackholeServer() as hole:
+        cmd = demo_cmd(run_dir, "--mirror", "s3://bucket/p", "--grace-seconds", str(GRACE_S))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=_fake_store_env(hole.endpoint),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while hole.accepted == 0 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert hole.accepted > 0 and proc.poll() is None, "never reached the store"
+            time.sleep(0.5)  # well inside the first request's read timeout
+            proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            _, err = proc.communicate(timeout=GRACE_S + 60)
+            took = time.monotonic() - sent
+        finally:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err, took
+
+
+def test_fake_silent_store_sigterm_during_startup_exits_75_within_grace(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    code, err, took = _sigterm_during_startup(run_dir)
+    assert code == EXIT_PREEMPTED, err
+    assert took <= GRACE_S + 2, (took, err)
+    assert "Traceback" not in err
+    assert "stop requested (SIGTERM) during resume resolution: given up" in err
+    ckpt_dir = run_dir / "checkpoints"
+    assert not ckpt_dir.exists() or sorted(p.name for p in ckpt_dir.iterdir()) == []
+    assert logged_steps(run_dir) == []
+
+
+def test_fake_silent_store_sigterm_during_a_resumed_startup_keeps_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    first = subprocess.run(
+        demo_cmd(run_dir, steps=4, ckpt_every=2), cwd=REPO, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
+    code, err, took = _sigterm_during_startup(run_dir)
+    assert code == EXIT_PREEMPTED, err
+    assert took <= GRACE_S + 2, (took, err)
+    assert "Traceback" not in err
+    after = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
+    assert after == before and checkpoint_steps(run_dir) == [2, 4]
+    assert max(logged_steps(run_dir)) == 4
+
+
+class FakeStalledStore(FileStorage):
+    """A real file:// store whose downloads stall until the test releases them (a fake:
+    a real store stalls on its own schedule, not on the test's)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def get_file(
+        self,
+        key: str,
+        dst: Path,
+        *,
+        progress: ProgressCallback | None = None,
+        sha256: str | None = None,
+        size: int | None = None,
+    ) -> None:
+        self.entered.set()
+        assert self.release.wait(60)
+        super().get_file(key, dst, progress=progress, sha256=sha256, size=size)
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_fake_stalled_download_given_up_on_is_never_published(
+    tmp_path: Path, save_checkpoint: SaveCheckpoint, stop_first: bool
+) -> None:
+    """stop_first=False is the control: the same download, not given up on, is published."""
+    save_checkpoint(5, run_dir=tmp_path / "bucket")
+    store = FakeStalledStore(tmp_path / "bucket")
+    run_dir = tmp_path / "run"
+    stop = StopController()
+
+    def resolve() -> object:
+        return choose_resume(run_dir, store)
+
+    if stop_first:
+        threading.Thread(
+            target=lambda: store.entered.wait(60) and stop.request_stop("SIGTERM")
+        ).start()
+        with pytest.raises(StartupInterrupted, match="during resume resolution: given up"):
+            run_interruptible(resolve, stop=stop, what="resume resolution")
+    else:
+        store.release.set()
+        choice = run_interruptible(resolve, stop=stop, what="resume resolution")
+        assert choice is not None and getattr(choice, "step_dir", None) is not None
+    store.release.set()
+    for t in threading.enumerate():
+        if t.name == "startup: resume resolution":
+            t.join(30)
+    published = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert published == ([] if stop_first else ["step_000005"])
+    stop.close()
+
+
+def test_a_stop_before_startup_work_starts_skips_it() -> None:
+    stop = StopController()
+    stop.request_stop("SIGTERM")
+    called: list[int] = []
+    with pytest.raises(StartupInterrupted, match=r"stop requested \(SIGTERM\) before x"):
+        run_interruptible(lambda: called.append(1), stop=stop, what="x")
+    assert called == []
+    stop.close()
+
+
+def test_startup_work_errors_reach_the_caller() -> None:
+    def fail() -> None:
+        raise ValueError("boom")
+
+    stop = StopController()
+    with pytest.raises(ValueError, match="boom"):
+        run_interruptible(fail, stop=stop, what="x")
+    assert run_interruptible(lambda: 7, stop=stop, what="x") == 7
+    stop.close()
