@@ -281,7 +281,7 @@ def test_preemption_notice_stops_the_supervised_trainer(
     assert "gcp preemption notice: forwarded SIGTERM to the trainer" in s.err
 
 
-def test_grace_deadline_kills_a_trainer_that_ignores_sigterm(
+def test_grace_deadline_kills_a_trainer_that_ignores_sigterm_exit_1_not_75(
     tmp_path: Path, supervised: list[Supervised]
 ) -> None:
     s = _start(

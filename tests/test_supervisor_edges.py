@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,3 +173,25 @@ def test_give_up_report_has_one_header_per_attempt_and_lines_in_order(
     assert len(report) >= len(expected), s.err
     for pattern, line in zip(expected, report, strict=False):
         assert re.fullmatch(pattern, line), (pattern, line, s.err)
+
+
+def test_readme_lists_exactly_the_variables_the_child_gets(tmp_path: Path) -> None:
+    section = (REPO / "README.md").read_text().split("## Any trainer: `runner run`", 1)[1]
+    table = section[: section.index("\n\n`RUNNER_MIRROR`")]  # up to the removed ones
+    documented = set(re.findall(r"`(RUNNER_[A-Z_]+)`", table))
+    removed = {"RUNNER_MIRROR", "RUNNER_METRICS_PORT", "RUNNER_NOTICES", "RUNNER_NOTICE_ENDPOINT"}
+    script = "import os; print(' '.join(sorted(k for k in os.environ if k.startswith('RUNNER_'))))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNNER_")}
+    # every training setting given, and supervisor-only ones in the environment
+    env |= {"PYTHONPATH": str(REPO), "RUNNER_NOTICES": "off", "RUNNER_METRICS_PORT": "0"}
+    env["RUNNER_MIRROR"] = (tmp_path / "bucket").as_uri()
+    done = subprocess.run(
+        [sys.executable, "-m", "runner", "run", "--run-dir", str(tmp_path / "run"),
+         "--steps", "9", "--ckpt-every", "3", "--ckpt-every-seconds", "60", "--keep", "2",
+         "--grace-seconds", "5", "--seed", "7", "--", sys.executable, "-c", script],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    got = set(done.stdout.split())
+    assert got == documented, (got ^ documented, done.stdout)
+    assert not got & removed
