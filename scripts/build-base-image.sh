@@ -48,11 +48,13 @@ if [[ $variant == pep668 ]]; then
     # The venv base is cached by its own tag; --force applies to the PEP 668 layer only.
     "$(dirname "$0")/build-base-image.sh" "$venv_tag"
     start=$(date +%s)
+    no_cache=()
+    [[ $force -eq 1 ]] && no_cache=(--no-cache)
     # A real base would have run `pip install --break-system-packages torch`; moving the
     # venv's site-packages puts the same files in the same place without a download. Console
     # scripts get the system interpreter's shebang. PATH drops /opt/py/bin, so `python3` is
     # /usr/bin/python3. The build checks that a plain `pip install` is refused.
-    DOCKER_BUILDKIT=1 "$docker_bin" build --quiet --force-rm --build-arg "BASE=$venv_tag" \
+    DOCKER_BUILDKIT=1 "$docker_bin" build --quiet --force-rm "${no_cache[@]}" --build-arg "BASE=$venv_tag" \
         -t "$tag" - >/dev/null <<'DOCKERFILE'
 ARG BASE
 FROM ${BASE}
