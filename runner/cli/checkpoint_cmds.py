@@ -19,7 +19,7 @@ import click
 from runner.checkpoint.manifest import created_at_unix
 from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S
 from runner.cli.formatting import human_duration, human_size
-from runner.cli.options import STEP
+from runner.cli.options import STEP, store_timeout
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -35,12 +35,18 @@ def _echo_json(data: Any) -> None:
 
 
 @click.command()
+@store_timeout
 @click.argument("location")
 @click.option("--verify", "deep", is_flag=True, help="Also hash every file (slower).")
 @_json_option
 def ls(location: str, deep: bool, as_json: bool) -> None:
     """List the checkpoints at LOCATION: step, size, age, format, verified."""
-    from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint
+    from runner.checkpoint.reader import (
+        list_checkpoints,
+        misplaced_hint,
+        read_manifest,
+        verify_checkpoint,
+    )
     from runner.errors import RunnerError
     from runner.storage import open_existing
 
@@ -49,19 +55,28 @@ def ls(location: str, deep: bool, as_json: bool) -> None:
     rows: list[dict[str, Any]] = []
     for step in reversed(list_checkpoints(storage)):
         row: dict[str, Any] = {"step": step, "verified": None, "error": None}
+        manifest = None
         try:
             manifest = verify_checkpoint(storage, step) if deep else read_manifest(storage, step)
         except RunnerError as exc:
-            row.update(verified=False if deep else None, error=str(exc))
+            row.update(verified=False if deep else None, error=str(exc), verdict=_verdict(exc))
+            if deep:
+                # a payload that fails may still have a readable manifest: show what it claims
+                with contextlib.suppress(RunnerError):
+                    manifest = read_manifest(storage, step)
         else:
+            row.update(verified=True if deep else None)
+        if manifest is not None:
             row.update(
                 size=manifest.total_bytes,
                 age_seconds=_age(manifest.created_at, now=now),
                 format=manifest.format,
                 fingerprint=manifest.fingerprint,
-                verified=True if deep else None,
             )
         rows.append(row)
+    hint = None if rows else misplaced_hint(storage, location)
+    if hint:
+        click.echo(f"hint: {hint}", err=True)
     if as_json:
         _echo_json(rows)
         return
@@ -71,18 +86,29 @@ def ls(location: str, deep: bool, as_json: bool) -> None:
     click.echo(f"{'STEP':>10}  {'SIZE':>9}  {'AGE':>7}  {'FORMAT':<14} VERIFIED")
     for row in rows:
         verified = {True: "yes", False: "NO", None: "-"}[row["verified"]]
-        if row["error"] and not deep:
-            verified = "NO (manifest)"
+        if row["error"]:
+            verified = f"{row['verdict']}: {row['error']}" if deep else "NO (manifest)"
         size = human_size(row["size"]) if "size" in row else "?"
         click.echo(
             f"{row['step']:>10}  {size:>9}  {human_duration(row.get('age_seconds')):>7}  "
             f"{row.get('format', '?'):<14} {verified}"
         )
-        if row["error"]:
+        if row["error"] and not deep:
             click.echo(f"{'':>12}{row['error']}")
 
 
+def _verdict(exc: Exception) -> str:
+    """`corrupt` for an integrity failure, `unreadable` for a schema or payload this runner
+    cannot read (possibly good for another version), `error` when the store failed."""
+    from runner.errors import SchemaError
+
+    if isinstance(exc, SchemaError):
+        return "unreadable"
+    return "corrupt" if isinstance(exc, IntegrityError) else "error"
+
+
 @click.command()
+@store_timeout
 @click.argument("location")
 @click.option("--step", type=STEP, default=None, help="Verify only this step.")
 @_json_option
@@ -94,6 +120,7 @@ def verify(location: str, step: int | None, as_json: bool) -> None:
     from runner.checkpoint.reader import (
         CheckpointStatus,
         list_checkpoints,
+        misplaced_hint,
         scan,
         verify_checkpoint,
     )
@@ -103,9 +130,12 @@ def verify(location: str, step: int | None, as_json: bool) -> None:
     storage = open_existing(location)
     if step is not None:
         if not any(True for _ in storage.list(f"{checkpoint_key(step)}/")):
-            present = ", ".join(str(s) for s in list_checkpoints(storage)[-5:]) or "none"
+            steps = list_checkpoints(storage)
+            present = ", ".join(str(s) for s in steps[-5:]) or "none"
+            hint = None if steps else misplaced_hint(storage, location)
             raise NoVerifiedCheckpointError(
                 f"{storage.uri} has no checkpoint at step {step} (newest steps: {present})"
+                + (f"\nhint: {hint}" if hint else "")
             )
         try:
             statuses = [CheckpointStatus(step, True, None, verify_checkpoint(storage, step))]
@@ -129,7 +159,10 @@ def verify(location: str, step: int | None, as_json: bool) -> None:
         for s in statuses:
             click.echo(f"step {s.step:>8}  {'ok' if s.ok else 'CORRUPT: ' + str(s.error)}")
     if not statuses:
-        raise NoVerifiedCheckpointError(f"{storage.uri}: no checkpoints to verify")
+        hint = misplaced_hint(storage, location)
+        raise NoVerifiedCheckpointError(
+            f"{storage.uri}: no checkpoints to verify" + (f"\nhint: {hint}" if hint else "")
+        )
     newest = statuses[0]
     if not newest.ok:
         older_ok = [s.step for s in statuses if s.ok]
@@ -217,6 +250,7 @@ def convert(src: Path, dst: Path, samples_seen: int, as_json: bool) -> None:
 
 
 @click.command()
+@store_timeout
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--step", type=STEP, default=None, help="Fork from this step (default: newest).")
@@ -248,6 +282,7 @@ def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
 
 
 @click.command()
+@store_timeout
 @click.argument("location")
 @click.option("--keep", type=int, required=True, help="Checkpoints to keep (>= 2).")
 @click.option(

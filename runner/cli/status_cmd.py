@@ -16,7 +16,7 @@ import click
 
 from runner.checkpoint.manifest import created_at_unix
 from runner.cli.formatting import human_duration, human_size
-from runner.cli.options import json_output
+from runner.cli.options import json_output, store_timeout
 from runner.errors import NoVerifiedCheckpointError, RunnerError
 
 
@@ -42,12 +42,19 @@ class LocationStatus:
     newest_verified: CheckpointSummary | None
     """The resume point: `newest` itself when it verifies (None when nothing verifies or
     verification was skipped)."""
+    hint: str | None = None
+    """With no checkpoints: why LOCATION may be the wrong level (`misplaced_hint`)."""
 
 
 def location_status(location: str, *, verify: bool, now: float) -> LocationStatus:
     """Read (and with `verify`, hash) the checkpoints at `location`, newest first, until one
     verifies."""
-    from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint
+    from runner.checkpoint.reader import (
+        list_checkpoints,
+        misplaced_hint,
+        read_manifest,
+        verify_checkpoint,
+    )
     from runner.storage import open_existing
 
     # a missing local directory is a mistyped path (exit 2, as in ls/verify), while an
@@ -92,10 +99,12 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
         steps=steps,
         newest=newest,
         newest_verified=newest_verified,
+        hint=None if steps else misplaced_hint(storage, location),
     )
 
 
 @click.command()
+@store_timeout
 @click.argument("locations", metavar="LOCATION...", nargs=-1, required=True)
 @click.option(
     "--no-verify",
@@ -127,6 +136,8 @@ def _render(status: LocationStatus) -> str:
     newest = status.newest
     if newest is None:
         lines.append("  no checkpoints")
+        if status.hint:
+            lines.append(f"  hint      {status.hint}")
         return "\n".join(lines)
     lines.append(f"  newest    {_describe(newest)}")
     if newest.verified is False:
