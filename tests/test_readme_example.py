@@ -1,4 +1,5 @@
-"""The README's in-process example runs as written, stops on SIGTERM with 75 and resumes."""
+"""The README's in-process example runs as written, stops on SIGTERM with 75 and resumes, and
+(through `runner.log_to_stderr()`) says so on stderr."""
 
 from __future__ import annotations
 
@@ -67,10 +68,18 @@ def test_readme_example_runs_stops_and_resumes(tmp_path: Path) -> None:
     stopped = checkpoint_steps(tmp_path / "run")[-1]
     assert stopped >= 30
     assert stopped in checkpoint_steps(tmp_path / "bucket"), "final checkpoint not mirrored"
+    # log_to_stderr() in the example: the session's own lines, formatted, on stderr
+    log_line = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO runner\.session: "
+    assert re.search(log_line + r"no checkpoint to resume from in ", err, re.M), err
+    committed = re.findall(log_line + r"checkpoint step (\d+) committed in ", err, re.M)
+    assert committed[0] == "25" and committed[-1] == str(stopped), err  # a cadence and the final
 
     program.write_text(readme_program(tmp_path / "run", tmp_path / "bucket", steps=stopped + 10))
     done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    resumed = rf"INFO runner\.session: resumed from \S*step_{stopped:06d} \(step {stopped}, "
+    assert re.search(resumed, done.stderr), done.stderr
+    assert re.search(rf"checkpoint step {stopped + 10} committed in ", done.stderr), done.stderr
     assert checkpoint_steps(tmp_path / "run")[-1] == stopped + 10
     # resumed, not restarted: every step was trained exactly once across the two processes
     assert logged_steps(tmp_path / "run") == list(range(1, stopped + 11))
