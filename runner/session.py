@@ -80,10 +80,14 @@ class TrainSession:
         state: TrainState,
         stop: StopController | None = None,
         services: Services | None = None,
+        refusals_reported: bool = False,
     ) -> None:
         """`services` (metrics, mirror) default to those the config asks for, started here:
-        metrics served on `config.metrics_port`, notices polled, checkpoints mirrored."""
+        metrics served on `config.metrics_port`, notices polled, checkpoints mirrored.
+        `refusals_reported`: a supervisor (`runner run`) already resolved this run dir and
+        logged each checkpoint it refused; they are then logged at debug level only."""
         self.config = config
+        self._refusals_reported = refusals_reported
         self.state = state
         self.stop = stop or StopController()
         self._owned = contextlib.ExitStack()
@@ -270,7 +274,12 @@ class TrainSession:
 
         if self.mirror is None:
             choice = choose_resume(
-                self.run_dir, None, load=load, on_skip=on_skip, fresh_start=self.config.fresh_start
+                self.run_dir,
+                None,
+                load=load,
+                on_skip=on_skip,
+                fresh_start=self.config.fresh_start,
+                refusal_log_level=logging.DEBUG if self._refusals_reported else logging.WARNING,
             )
         else:
             choice = self.mirror.choose_resume(

@@ -174,3 +174,31 @@ def test_startup_work_errors_reach_the_caller() -> None:
         run_interruptible(fail, stop=stop, what="x")
     assert run_interruptible(lambda: 7, stop=stop, what="x") == 7
     stop.close()
+
+
+def test_a_refused_checkpoint_is_logged_once_under_runner_run(tmp_path: Path) -> None:
+    """`runner run -- runner demo`: the supervisor resolves the run dir, then the demo does
+    again; the refusal of the corrupt newest checkpoint is logged once, not by both."""
+    run_dir = tmp_path / "run"
+    first = subprocess.run(
+        demo_cmd(run_dir, steps=4, ckpt_every=2), cwd=REPO, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr
+    payload = run_dir / "checkpoints/step_000004/state.pt"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    payload.write_bytes(bytes(data))
+    trainer = demo_cmd(run_dir, steps=6, ckpt_every=2)
+    trainer.remove("--run-dir")
+    trainer.remove(str(run_dir))  # the supervisor passes RUNNER_RUN_DIR
+    done = subprocess.run(
+        [trainer[0], "-m", "runner", "run", "--run-dir", str(run_dir), "--", *trainer],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    assert output.count("not resuming from step 4:") == 1, output
+    assert "sha256 mismatch" in output and checkpoint_steps(run_dir) == [2, 4, 6]

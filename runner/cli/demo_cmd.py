@@ -44,7 +44,21 @@ def config_from_options(**kwargs: Any) -> RunConfig:
     default=None,
     help="Live progress line (default: when stderr is a terminal).",
 )
-def demo(batch_size: int, progress: bool | None, threads: int | None, **kwargs: Any) -> None:
+@click.option(
+    "--supervised-resume-from",
+    "resume_from",
+    envvar="RUNNER_RESUME_FROM",
+    default=None,
+    hidden=True,
+    help="Set by `runner run` for its trainer (RUNNER_RESUME_FROM, empty when none).",
+)
+def demo(
+    batch_size: int,
+    progress: bool | None,
+    threads: int | None,
+    resume_from: str | None,
+    **kwargs: Any,
+) -> None:
     """Train a small GPT-style character model; re-running the same command resumes.
 
     SIGTERM/SIGINT: finish the step, commit the final checkpoint, exit 75.
@@ -57,7 +71,15 @@ def demo(batch_size: int, progress: bool | None, threads: int | None, **kwargs: 
     with runlock.acquire(config.run_dir, command="runner demo"):
         from runner.demo.job import run_demo
 
-        code = run_demo(config, batch_size=batch_size, progress=progress, threads=threads)
+        # under `runner run` (RUNNER_RESUME_FROM set, even empty) the supervisor resolved
+        # this run dir first and logged what it refused: not logged a second time
+        code = run_demo(
+            config,
+            batch_size=batch_size,
+            progress=progress,
+            threads=threads,
+            supervised=resume_from is not None,
+        )
     sys.exit(code)
 
 

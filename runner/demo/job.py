@@ -22,9 +22,15 @@ DEFAULT_DEMO_STEPS = 200
 
 
 def run_demo(
-    config: RunConfig, *, batch_size: int, progress: bool | None, threads: int | None = None
+    config: RunConfig,
+    *,
+    batch_size: int,
+    progress: bool | None,
+    threads: int | None = None,
+    supervised: bool = False,
 ) -> int:
-    """Train the demo model to `config.steps`, resuming if possible; returns the exit code."""
+    """Train the demo model to `config.steps`, resuming if possible; returns the exit code.
+    `supervised`: run by `runner run`, whose resolution already logged every refusal."""
     import torch
 
     if threads:
@@ -38,7 +44,9 @@ def run_demo(
         components = build_demo(
             seed=config.seed, device=config.device, batch_size=batch_size, total_steps=total
         )
-        with TrainSession(config, state=components, stop=stop) as session:
+        with TrainSession(
+            config, state=components, stop=stop, refusals_reported=supervised
+        ) as session:
             if session.resumed_from is not None:
                 display.checkpoint(
                     session.resumed_from, age_seconds=_checkpoint_age(session, session.resumed_from)

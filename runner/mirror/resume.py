@@ -86,6 +86,7 @@ def choose_resume(
     on_skip: SkipCallback | None = None,
     progress: ProgressCallback | None = None,
     fresh_start: bool = False,
+    refusal_log_level: int = logging.WARNING,
 ) -> ResumeChoice | None:
     """The newest checkpoint that verifies (and that `load` accepts), taken from the run dir
     or, when the mirror has a newer one, downloaded (and verified as it arrives) from it.
@@ -95,7 +96,9 @@ def choose_resume(
     None when there is no checkpoint anywhere (or, with `fresh_start`, after the unusable
     ones were set aside). UnusableCheckpointsError when checkpoints exist and none can be
     used. A mirror that cannot be reached raises (after retries) rather than falling back:
-    starting from scratch because the bucket was briefly unreachable would throw work away."""
+    starting from scratch because the bucket was briefly unreachable would throw work away.
+    Each refusal is logged once, at `refusal_log_level` (a trainer under `runner run` lowers
+    it: its supervisor resolved the same run dir and already logged them)."""
     run_dir = Path(run_dir)
     local_steps, seed_files = _local_entries(run_dir)
     remote_steps = set(list_checkpoints(mirror)) if mirror is not None else set()
@@ -103,7 +106,7 @@ def choose_resume(
 
     def refuse(refusal: Refusal) -> None:
         refused.append(refusal)
-        log.warning("not resuming from step %d: %s", refusal.step, refusal.why)
+        log.log(refusal_log_level, "not resuming from step %d: %s", refusal.step, refusal.why)
         if on_skip is not None:
             on_skip(refusal.step, refusal.why)
 
