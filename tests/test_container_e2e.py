@@ -1,5 +1,6 @@
 """The image under a real Docker engine, against a real S3 server (SeaweedFS on loopback,
-reached with `--network host`).
+reached with `--network host`). `runner_image` is the image built on the PEP 668 base (torch
+in the system interpreter, plain `pip install` refused), the harder of the two test bases.
 
 The preempted container is started from the Kubernetes single-gpu Job translated into
 `docker run` (args, ConfigMap env, security context, mounts) and stopped with
