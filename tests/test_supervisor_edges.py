@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,3 +196,26 @@ def test_readme_lists_exactly_the_variables_the_child_gets(tmp_path: Path) -> No
     got = set(done.stdout.split())
     assert got == documented, (got ^ documented, done.stdout)
     assert not got & removed
+
+
+def test_runner_child_committing_its_own_checkpoint_dir_on_stop_is_75(
+    tmp_path: Path, started: list[Supervised]
+) -> None:
+    """A trainer that commits checkpoint directories itself (a runner child): the step it
+    committed during the stop is the final checkpoint the supervisor names."""
+    run_dir = tmp_path / "run"
+    demo = [sys.executable, "-m", "runner", "demo", "--device", "cpu", "--threads", "1"]
+    s = _run(
+        started, run_dir, "--steps", "100000", "--ckpt-every", "100000", "--grace-seconds", "60",
+        "--", *demo, "--no-progress",
+    )  # fmt: skip
+    loss = run_dir / "loss.jsonl"
+    end = time.monotonic() + 120
+    while not (loss.exists() and loss.read_text().count("\n") >= 3):
+        assert time.monotonic() < end and s.proc.poll() is None, s.err
+        time.sleep(0.1)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(timeout=120) == 75, s.err
+    (step,) = list_checkpoints(FileStorage(run_dir))
+    assert step >= 3
+    assert f"final checkpoint: step {step}" in s.err, s.err
