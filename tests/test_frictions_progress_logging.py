@@ -150,3 +150,50 @@ def test_a_line_per_interval_leaves_log_handlers_alone() -> None:
         display.close()
     finally:
         logging.getLogger("runner").removeHandler(handler)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_record_during_a_transfer_bar_gets_a_line_of_its_own() -> None:
+    """push/pull's byte bar (tqdm) and a retry warning on the same terminal: the bar is cleared
+    before the record and redrawn after it, and the handler gets its stream back."""
+    from runner.progress import transfer_progress
+
+    out = _Terminal()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("runner").addHandler(handler)
+    try:
+        with transfer_progress(1000, desc="push step 5", stream=out, show_after_s=0) as advance:
+            advance(400)
+            assert "push step 5" in out.getvalue()  # the bar is on the terminal
+            logging.getLogger("runner.storage").warning("slow down: retrying part 3")
+            advance(100)
+        assert handler.stream is out
+    finally:
+        logging.getLogger("runner").removeHandler(handler)
+    output = out.getvalue()
+    at = output.index("WARNING slow down: retrying part 3\n")
+    before = output[:at]
+    assert before.endswith("\r"), repr(before[-120:])  # the bar was cleared: column 0
+    assert "push step 5" in output[at:], repr(output[at:])  # and drawn again after it
+    screen = [line.strip() for line in render(output)]
+    assert "WARNING slow down: retrying part 3" in screen, screen
+
+
+def test_a_record_before_the_bar_shows_is_left_alone() -> None:
+    from runner.progress import transfer_progress
+
+    out = _Terminal()
+    handler = logging.StreamHandler(out)
+    logging.getLogger("runner").addHandler(handler)
+    try:
+        with transfer_progress(1000, desc="pull", stream=out, show_after_s=60) as advance:
+            advance(10)
+            logging.getLogger("runner.storage").warning("early")
+    finally:
+        logging.getLogger("runner").removeHandler(handler)
+    assert out.getvalue() == "early\n"

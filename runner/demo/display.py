@@ -2,19 +2,20 @@
 
 On a terminal the line is redrawn in place; otherwise (logs, CI) one line is printed every
 `every_seconds` so a log stays readable. While the line is live, log handlers writing to the
-same stream go through `_ClearingStream`, so a record printed meanwhile (a checkpoint commit,
-a mirror warning) starts at column 0 and the progress line is redrawn below it.
+same stream go through `_ClearingStream` (see runner/terminal.py), so a record printed
+meanwhile (a checkpoint commit, a mirror warning) starts at column 0 and the progress line is
+redrawn below it.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
+
+from runner.terminal import Wrapped, unwrap_console_handlers, wrap_console_handlers
 
 CLEAR_LINE = "\r\033[K"
 
@@ -42,7 +43,7 @@ class ProgressDisplay:
         # any thread clear and redraw it, so every write to the stream holds this lock
         self._drawn = ""
         self._lock = threading.Lock()
-        self._wrapped: list[tuple[logging.StreamHandler[Any], _ClearingStream]] = []
+        self._wrapped: Wrapped = []
         if self.live:
             self._attach_to_logging()
 
@@ -86,27 +87,12 @@ class ProgressDisplay:
                 self.stream.write("\n")
                 self.stream.flush()
             self._drawn = ""
-        for handler, wrapper in self._wrapped:
-            if handler.stream is wrapper:
-                handler.setStream(wrapper.inner)
-        self._wrapped.clear()
+        unwrap_console_handlers(self._wrapped)
 
     def _attach_to_logging(self) -> None:
-        """Route every stream handler of the root and `runner` loggers that writes to our
-        stream (the same object, or the same terminal) through a `_ClearingStream`."""
-        handlers = [*logging.getLogger().handlers, *logging.getLogger("runner").handlers]
-        for handler in handlers:
-            if not isinstance(handler, logging.StreamHandler) or isinstance(
-                handler, logging.FileHandler
-            ):
-                continue
-            if isinstance(handler.stream, _ClearingStream) or not _same_stream(
-                handler.stream, self.stream
-            ):
-                continue
-            wrapper = _ClearingStream(handler.stream, self)
-            handler.setStream(wrapper)
-            self._wrapped.append((handler, wrapper))
+        self._wrapped = wrap_console_handlers(
+            self.stream, lambda inner: _ClearingStream(inner, self)
+        )
 
     def _before_log_write(self, inner: TextIO) -> bool:
         """Called with the lock held: clear the progress line; True when one was drawn."""
@@ -144,12 +130,3 @@ class _ClearingStream:
 
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
         return getattr(self.inner, name)
-
-
-def _same_stream(a: TextIO, b: TextIO) -> bool:
-    if a is b:
-        return True
-    try:
-        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
-    except (AttributeError, OSError, ValueError):
-        return False
