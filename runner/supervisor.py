@@ -330,7 +330,8 @@ class Supervisor:
         return min(SWEEP_GRACE_SECONDS, max(0.2, left))
 
     def _sweep(self, child: ChildProcess) -> None:
-        swept = child.sweep(grace_seconds=self._sweep_grace())
+        child.sweep(grace_seconds=self._sweep_grace())
+        swept = child.swept  # including those swept while the output drained
         if swept:
             log.warning(
                 "the trainer (pid %d) left %d process(es) running after it exited: "

@@ -74,6 +74,8 @@ class ChildProcess:
         outlives a supervisor killed while its trainer still runs)."""
         # taken before the start: what is our child now is not this trainer's
         self.descendants = Descendants()
+        self.swept: list[int] = []
+        """Every pid `sweep` has signalled, over this attempt."""
         try:
             self._proc = subprocess.Popen(
                 list(command),
@@ -135,7 +137,9 @@ class ChildProcess:
         detached helpers: runner/supervisor_reap.py); the pids signalled."""
         grace = grace_seconds if grace_seconds is not None else SWEEP_GRACE_SECONDS
         keep = self.pid if self._proc.returncode is None else None
-        return self.descendants.sweep(grace_seconds=grace, keep=keep)
+        swept = self.descendants.sweep(grace_seconds=grace, keep=keep)
+        self.swept.extend(pid for pid in swept if pid not in self.swept)
+        return swept
 
 
 def describe_exit(code: int) -> str:

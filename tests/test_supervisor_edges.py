@@ -133,6 +133,16 @@ def test_setsid_double_forked_helper_ignoring_sigterm_is_gone_after_exit(
     assert f"terminated pids {helper}" in s.err
 
 
+def test_detached_helper_holding_the_output_pipes_is_swept_and_named(
+    tmp_path: Path, started: list[Supervised], pid_dir: Path
+) -> None:
+    s = _run(started, tmp_path / "run", "--", *TRAINER, "leave-pipes", str(pid_dir))
+    assert s.wait(timeout=30) == 0, s.err
+    (helper,) = _pids(pid_dir)
+    assert not _alive(helper)
+    assert f"terminated pids {helper}" in s.err
+
+
 def test_helper_in_the_trainers_group_ignoring_sigterm_is_gone_after_the_stop(
     tmp_path: Path, started: list[Supervised], pid_dir: Path
 ) -> None:

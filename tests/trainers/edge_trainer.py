@@ -13,6 +13,8 @@ Usage: edge_trainer.py MODE [ARG]
   leave-group DIR   start a helper in our process group that ignores SIGTERM and sleeps (its
                     output not on our pipes); its pid goes to DIR/pids. Print "ready"; on
                     SIGTERM commit seed step 1 and exit 0
+  leave-pipes DIR   as leave-setsid, but the helper keeps our stdout and stderr open; exit 0
+                    at once
   crash-leaving DIR attempt 1: as leave-setsid, then exit 1 without waiting. Later attempts:
                     print whether attempt 1's helper is still alive, exit 0
   interleave        print "out A$n", "err B$n" (stderr), "out C$n", paused between, exit 1
@@ -57,13 +59,14 @@ def wait_for(path: Path, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def start_helper(pidfile: Path, *, detach: bool) -> None:
+def start_helper(pidfile: Path, *, detach: bool, keep_pipes: bool = False) -> None:
     mode = "daemon" if detach else "helper"
+    out = None if keep_pipes else subprocess.DEVNULL
     subprocess.Popen(
         [sys.executable, __file__, mode, str(pidfile)],
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=out,
+        stderr=out,
     )
     wait_for(pidfile)
 
@@ -131,6 +134,10 @@ def main() -> int:
         while not stop:
             time.sleep(0.02)
         commit_seed(1)
+        return 0
+    if mode == "leave-pipes":
+        start_helper(Path(arg) / "pids", detach=True, keep_pipes=True)
+        say("ready")
         return 0
     if mode == "crash-leaving":
         pidfile = Path(arg) / "pids"
