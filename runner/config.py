@@ -27,7 +27,8 @@ class RunConfig:
     run_dir: Path
     """Local run directory (checkpoints/, loss.jsonl, sidecars)."""
     mirror: str | None = None
-    """`s3://bucket/prefix` or `file:///abs/path`; None keeps checkpoints local only."""
+    """`s3://bucket/prefix`, `file:///abs/path` or a directory path (stored as file:///abs,
+    resolved against the cwd when the config is made); None keeps checkpoints local only."""
     steps: int | None = None
     """Total optimizer steps of the run (None: the trainer decides)."""
     ckpt_every: int | None = 100
@@ -64,6 +65,7 @@ class RunConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 option = f"--{f.name.replace('_', '-')}"
                 raise ConfigError(f"{option} must be a finite number (got {value})")
+        _check_bounds(self)
         if self.keep < 2:
             raise ConfigError(
                 f"--keep must be >= 2 (got {self.keep}): "
@@ -88,12 +90,43 @@ class RunConfig:
         # torch.manual_seed's range; beyond it the seeding raises deep inside the job
         if not -(1 << 63) <= self.seed < (1 << 64):
             raise ConfigError(f"--seed must fit in 64 bits (got {self.seed})")
-        if self.mirror is not None and not self.mirror.startswith(("s3://", "file:///")):
-            raise ConfigError(
-                f"--mirror {self.mirror!r}: use s3://bucket/prefix or file:///absolute/path"
-            )
+        if self.mirror is not None:
+            from runner.storage import mirror_uri  # light: boto3 loads only for s3://
+
+            self.mirror = mirror_uri(self.mirror)
+            if self.mirror == mirror_uri(self.run_dir):
+                raise ConfigError(
+                    f"--mirror {self.mirror} is the run dir itself: give another directory"
+                )
         if self.notice_endpoint is not None:
             _check_endpoint(self.notice_endpoint)
+
+
+# Upper bounds of numeric settings: far beyond any real use, low enough that nothing
+# overflows later (a thread join or sleep takes at most threading.TIMEOUT_MAX, ~9.2e9 s on
+# Linux; step counters are int64 in torch and in manifests' readers).
+INT64_MAX = (1 << 63) - 1
+MAXIMA: dict[str, float] = {
+    "steps": INT64_MAX,
+    "ckpt_every": INT64_MAX,
+    "ckpt_every_seconds": 30 * 86_400.0,  # a month
+    "keep": 1_000_000,
+    "grace_seconds": 86_400.0,  # a day; Kubernetes and clouds give minutes
+    "notice_poll_seconds": 3_600.0,
+    "max_restarts": 1_000,  # each restart doubles a backoff: 2.0**1000 is still a float
+}
+
+
+def _check_bounds(config: RunConfig) -> None:
+    for name, maximum in MAXIMA.items():
+        value = getattr(config, name)
+        if value is not None and value > maximum:
+            option = f"--{name.replace('_', '-')}"
+            raise ConfigError(f"{option} must be <= {_number(maximum)} (got {_number(value)})")
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _check_endpoint(url: str) -> None:

@@ -99,6 +99,12 @@ class ChildFailedError(RunnerError):
     """A supervised trainer kept crashing past the restart limit."""
 
 
+class StorageTimeoutError(StorageTransientError):
+    """A store call gave up: the store kept failing (or never answered) for its whole time
+    budget (`--store-timeout`), or the caller's deadline came first. Still transient: a later
+    call may succeed."""
+
+
 def exit_code_for(exc: BaseException) -> int:
     """Map any exception to the process exit code (DESIGN.md, 'Exit codes')."""
     if isinstance(exc, RunnerError):

@@ -10,6 +10,12 @@ from typing import Any, TypeVar
 
 import click
 
+from runner.storage.limits import (
+    DEFAULT_STORE_TIMEOUT_S,
+    MAX_STORE_TIMEOUT_S,
+    MIN_STORE_TIMEOUT_S,
+)
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -74,7 +80,7 @@ mirror = _opt(
     "--mirror",
     env="RUNNER_MIRROR",
     default=None,
-    help="Mirror checkpoints to s3://bucket/prefix or file:///abs/path.",
+    help="Mirror checkpoints to s3://bucket/prefix, file:///abs/path or a directory path.",
 )
 steps = _opt(
     "--steps", env="RUNNER_STEPS", type=int, default=None, help="Total optimizer steps of the run."
@@ -151,10 +157,36 @@ max_restarts = _opt(
 restart_backoff = _opt(
     "--restart-backoff",
     env="RUNNER_RESTART_BACKOFF",
-    type=FINITE_FLOAT,
+    type=click.FloatRange(max=3600.0),
     default=1.0,
     help="First delay before restarting a crashed trainer, doubled each time (max 60 s).",
 )
+
+
+def _apply_store_timeout(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    from runner.storage import set_store_timeout  # no boto3: that loads with s3:// only
+
+    set_store_timeout(value)
+    ctx.call_on_close(lambda: set_store_timeout(None))  # embedding, tests: no leftover
+    return value
+
+
+store_timeout = _opt(
+    "--store-timeout",
+    env="RUNNER_STORE_TIMEOUT",
+    type=click.FloatRange(min=MIN_STORE_TIMEOUT_S, max=MAX_STORE_TIMEOUT_S),
+    default=DEFAULT_STORE_TIMEOUT_S,
+    callback=_apply_store_timeout,
+    expose_value=False,
+    is_eager=True,
+    metavar="SECONDS",
+    help=(
+        "Give up on a store call (S3) that keeps failing or never answers for this long; "
+        "a transfer that keeps moving bytes is never cut."
+    ),
+)
+"""For the commands that talk to a store; the value reaches every location they open."""
+
 STEP = click.IntRange(min=0)
 """A checkpoint step (`--step N`): step 0 is the state before the first update."""
 

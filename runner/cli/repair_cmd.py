@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from runner.cli.options import store_timeout
 from runner.errors import IntegrityError, RunnerError, SchemaError
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 
 @click.command()
+@store_timeout
 @click.argument("location")
 @click.option(
     "--from",

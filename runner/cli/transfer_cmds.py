@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from runner import runlock
-from runner.cli.options import STEP
+from runner.cli.options import STEP, store_timeout
 from runner.errors import (
     ConfigError,
     IntegrityError,
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 
 @click.command()
+@store_timeout
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("location")
 @click.option("--step", type=STEP, default=None, help="Push only this step (default: all).")
@@ -84,6 +85,7 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
 
 
 @click.command()
+@store_timeout
 @click.argument("location")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import urlparse
 
 from runner.errors import ConfigError
 from runner.storage.base import ObjectInfo, ProgressCallback, Storage
+from runner.storage.limits import DEFAULT_STORE_TIMEOUT_S
 
 __all__ = [
     "ObjectInfo",
@@ -14,9 +16,25 @@ __all__ = [
     "Storage",
     "is_remote_uri",
     "is_run_dir_path",
+    "mirror_uri",
     "open_existing",
     "open_storage",
+    "set_store_timeout",
+    "store_timeout",
 ]
+
+# Set by the CLI's --store-timeout for the command being run; None: the documented default.
+_store_timeout_s: float | None = None
+
+
+def set_store_timeout(seconds: float | None) -> None:
+    """The store timeout of every location opened from now on (None: the default)."""
+    global _store_timeout_s
+    _store_timeout_s = seconds
+
+
+def store_timeout() -> float:
+    return DEFAULT_STORE_TIMEOUT_S if _store_timeout_s is None else _store_timeout_s
 
 
 def is_remote_uri(location: str) -> bool:
@@ -35,7 +53,7 @@ def open_storage(location: str | Path) -> Storage:
     if text.startswith("s3://"):
         from runner.storage.s3 import S3Storage  # boto3 is imported only when needed
 
-        return S3Storage.from_uri(text)
+        return S3Storage.from_uri(text, store_timeout_s=store_timeout())
     if text.startswith("file://"):
         parsed = urlparse(text)
         if parsed.netloc not in ("", "localhost"):
@@ -50,6 +68,23 @@ def open_storage(location: str | Path) -> Storage:
     from runner.storage.file import FileStorage
 
     return FileStorage(Path(text))
+
+
+def mirror_uri(location: str | Path, *, cwd: Path | None = None) -> str:
+    """A mirror location in one form: `s3://...` and `file:///...` as given, a plain path
+    (absolute, or relative to cwd, resolved now and never again) as `file:///abs/path`."""
+    text = str(location)
+    if text.startswith("s3://") or text.startswith("file:///"):
+        return text
+    if not text or text.startswith("file:") or "://" in text:
+        raise ConfigError(
+            f"--mirror {text!r}: use s3://bucket/prefix, file:///absolute/path or a directory path"
+        )
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        path = (cwd or Path.cwd()) / path
+    # not percent-encoded: open_storage takes a file:// path as written
+    return "file://" + os.path.normpath(path)
 
 
 def open_existing(location: str | Path) -> Storage:

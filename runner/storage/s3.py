@@ -14,9 +14,11 @@ get a size check only; the manifest's sha256 is checked again on every download.
 
 Retries happen on two levels: botocore retries a single request a few times (so one dropped
 part does not restart a 1 GB file), and the whole operation is retried with exponential backoff
-and jitter (tenacity) on StorageTransientError. Permanent errors (403, NoSuchBucket, bad keys)
-are never retried. A failed multipart upload is aborted by s3transfer; if that abort itself
-fails, a sweep aborts the key's uploads started by this call.
+and jitter on StorageTransientError, within the store timeout (`--store-timeout`): connect and
+read timeouts are derived from it so that one try fits, and no try starts once the store has
+been failing for that long (docs/storage.md, "Time limits"). Permanent errors (403,
+NoSuchBucket, bad keys) are never retried. A failed multipart upload is aborted by
+s3transfer; if that abort itself fails, a sweep aborts the key's uploads started by this call.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,8 +53,11 @@ from runner.errors import (
     StorageTransientError,
 )
 from runner.storage.base import ObjectInfo, ProgressCallback, check_download, check_key
+from runner.storage.endpoint import check_endpoint, endpoint_error
+from runner.storage.limits import DEFAULT_STORE_TIMEOUT_S
+from runner.storage.redact import has_userinfo, redact_text, strip_userinfo
 from runner.storage.retry import RetryPolicy
-from runner.storage.s3_errors import classify
+from runner.storage.s3_errors import classify, client_config_error
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +75,57 @@ class TransferSettings:
     request_attempts: int = 3
     """Tries of one HTTP request inside botocore (a dropped part is resent alone)."""
     connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
+    """Also bounds each blocked socket send (urllib3 sends the body under it)."""
+    read_timeout_s: float = 10.0
+    """Per socket read, not per object: a long transfer that keeps moving never hits it."""
+    download_attempts: int = 2
+    """Tries of one ranged GET inside s3transfer when its body stream breaks off."""
 
     def __post_init__(self) -> None:
         if self.part_size < 5 * MiB:
             raise ConfigError("S3 part size must be >= 5 MiB (the S3 minimum)")
-        if self.concurrency < 1 or self.request_attempts < 1:
-            raise ConfigError("S3 concurrency and request attempts must be >= 1")
+        if self.concurrency < 1 or self.request_attempts < 1 or self.download_attempts < 1:
+            raise ConfigError("S3 concurrency and request/download attempts must be >= 1")
+
+    @classmethod
+    def for_store_timeout(cls, seconds: float) -> TransferSettings:
+        """Socket timeouts sized so that one request, botocore's own retries included, takes
+        about half the store timeout at most against a store that never answers; never
+        above 10 s to connect and 20 s per read."""
+        share = seconds / (2 * 3)
+        return cls(
+            connect_timeout_s=min(10.0, max(1.0, share)),
+            read_timeout_s=min(20.0, max(1.0, share)),
+        )
+
+    def request_worst_s(self) -> float:
+        """Longest one request can take against a store that accepts and never answers (or
+        never accepts): every botocore try times out, plus botocore's backoff between them
+        (standard mode: up to 2**(n-1) s before try n+1, at most 20 s)."""
+        backoff = sum(min(20.0, 2.0 ** (n - 1)) for n in range(1, self.request_attempts))
+        timeout = max(self.connect_timeout_s, self.read_timeout_s)
+        return self.request_attempts * timeout + backoff
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(
             multipart_threshold=self.multipart_threshold,
             multipart_chunksize=self.part_size,
             max_request_concurrency=self.concurrency,
+            num_download_attempts=self.download_attempts,
         )
+
+
+class _Moved:
+    """When a transfer last moved a byte (time.monotonic()), for the store-timeout budget."""
+
+    def __init__(self) -> None:
+        self._at: float | None = None
+
+    def touch(self, _bytes: int) -> None:
+        self._at = time.monotonic()
+
+    def at(self) -> float | None:
+        return self._at
 
 
 class _Progress(BaseSubscriber):
@@ -115,14 +158,27 @@ class S3Storage:
         session: boto3.session.Session | None = None,
         settings: TransferSettings | None = None,
         retry: RetryPolicy | None = None,
+        store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
     ) -> None:
+        """store_timeout_s sizes the defaults of settings and retry (docs/storage.md, "Time
+        limits"); explicit ones are used as given."""
         if not bucket:
             raise ConfigError("S3 location needs a bucket: s3://bucket/prefix")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.settings = settings or TransferSettings()
-        self.retry = retry or RetryPolicy()
-        self._client = self._make_client(session or boto3.session.Session())
+        self.settings = settings or TransferSettings.for_store_timeout(store_timeout_s)
+        self.retry = retry or RetryPolicy(budget_s=store_timeout_s)
+        # botocore's messages and exception chain may quote the endpoint URL: never shown
+        try:
+            self._client = self._make_client(session or boto3.session.Session())
+        except ValueError:  # botocore: "Invalid endpoint: <url>"
+            raise endpoint_error() from None
+        except Exception as exc:
+            config_error = client_config_error(exc)
+            if config_error is None:
+                raise
+            raise config_error from None
+        # never holds credentials: _make_client drops any user:password@ part
         self.endpoint: str = self._client.meta.endpoint_url
         # None until the first verified upload tells whether the store returns checksums
         self._server_checksums: bool | None = None
@@ -136,16 +192,29 @@ class S3Storage:
     def _make_client(self, session: boto3.session.Session) -> Any:
         s = self.settings
         config = Config(
-            retries={"mode": "standard", "max_attempts": s.request_attempts},
+            # total_max_attempts counts the first try; botocore's max_attempts would not
+            retries={"mode": "standard", "total_max_attempts": s.request_attempts},
             connect_timeout=s.connect_timeout_s,
             read_timeout=s.read_timeout_s,
             max_pool_connections=max(10, 2 * s.concurrency),
         )
         client = session.client("s3", config=config)
-        if not _is_aws_endpoint(client.meta.endpoint_url):
+        endpoint: str = client.meta.endpoint_url
+        check_endpoint(endpoint)
+        endpoint_url = None
+        if has_userinfo(endpoint):
+            endpoint_url = strip_userinfo(endpoint)
+            log.warning(
+                "the S3 endpoint %s carries a user:password, which S3 never uses (requests are "
+                "signed with the AWS keys): connecting to %s without it",
+                redact_text(endpoint),
+                endpoint_url,
+            )
+        if not _is_aws_endpoint(endpoint):
             # Self-hosted stores rarely resolve bucket.host names.
-            path_style = config.merge(Config(s3={"addressing_style": "path"}))
-            client = session.client("s3", config=path_style)
+            config = config.merge(Config(s3={"addressing_style": "path"}))
+        if endpoint_url is not None or not _is_aws_endpoint(endpoint):
+            client = session.client("s3", config=config, endpoint_url=endpoint_url)
         return client
 
     @property
@@ -161,8 +230,17 @@ class S3Storage:
         check_key(key, uri=self.uri)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def _call(self, what: str, key: str, func: Callable[[], T]) -> T:
-        """One operation with error classification and whole-operation retries."""
+    def _call(
+        self,
+        what: str,
+        key: str,
+        func: Callable[[], T],
+        *,
+        last_progress: Callable[[], float | None] | None = None,
+    ) -> T:
+        """One operation with error classification and whole-operation retries, within the
+        store timeout. A retry starts only if one more request that never gets an answer
+        would still end within the budget."""
 
         def attempt() -> T:
             try:
@@ -170,11 +248,19 @@ class S3Storage:
             except RunnerError:  # already in the project's terms (integrity, conflict, ...)
                 raise
             except Exception as exc:  # classified below; unknown errors stay StorageError
+                config_error = client_config_error(exc)
+                if config_error is not None:
+                    raise config_error from None
                 raise classify(
                     exc, bucket=self.bucket, key=self._full_or_raw(key), endpoint=self.endpoint
                 ) from exc
 
-        return self.retry.call(f"{what} {self.uri}/{key}", attempt)
+        return self.retry.call(
+            f"{what} {self.uri}/{key}",
+            attempt,
+            try_worst_s=self.settings.request_worst_s(),
+            last_progress=last_progress,
+        )
 
     def _full_or_raw(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix and key else key or self.prefix
@@ -226,6 +312,7 @@ class S3Storage:
     ) -> None:
         full_key = self._full(key)
         size = Path(src).stat().st_size
+        moved = _Moved()
         with ThreadPoolExecutor(1, "upload-checksum") as pool:
             # the local hash pass overlaps the transfer; it is checked before verifying
             checksum = (
@@ -236,7 +323,7 @@ class S3Storage:
 
             def upload() -> None:
                 started = datetime.now(UTC)
-                subscribers = [_Progress(progress)] if progress else []
+                subscribers = [_Progress(moved.touch)] + ([_Progress(progress)] if progress else [])
                 try:
                     with TransferManager(
                         self._client, config=self.settings.transfer_config()
@@ -257,7 +344,8 @@ class S3Storage:
                 self._verify_upload(key, size=size, expected=expected)
 
             try:
-                self._call("upload", key, upload)
+                # bytes sent restart the budget: a long upload that keeps moving is not cut
+                self._call("upload", key, upload, last_progress=moved.at)
             except IntegrityError:
                 # the local file does not match its manifest: what was sent must not stay
                 with contextlib.suppress(Exception):
@@ -374,9 +462,10 @@ class S3Storage:
         rename. With size / sha256 given, a mismatch raises IntegrityError and leaves nothing."""
         full_key = self._full(key)
         dst = Path(dst)
+        moved = _Moved()
 
         def download() -> None:
-            subscribers = [_Progress(progress)] if progress else []
+            subscribers = [_Progress(moved.touch)] + ([_Progress(progress)] if progress else [])
             with HashingFileWriter(dst) as writer:
                 with TransferManager(
                     self._client, config=self.settings.transfer_config()
@@ -393,7 +482,7 @@ class S3Storage:
                 )
                 writer.commit()
 
-        self._call("download", key, download)
+        self._call("download", key, download, last_progress=moved.at)
 
     def get_bytes(self, key: str) -> bytes:
         full_key = self._full(key)

@@ -2,7 +2,10 @@
 
 Not found, transient (retry) and permanent (do not retry) are decided by error code and HTTP
 status, never by message text. Messages name the bucket, key and endpoint so an operator can
-act, and never include credentials.
+act, and never include credentials: a user:password in a URL botocore quotes is redacted.
+
+Configuration mistakes botocore finds (a missing profile, an unparsable config file, a bad
+region or endpoint) become ConfigError (exit 2) with one line saying what to fix.
 """
 
 from __future__ import annotations
@@ -10,11 +13,17 @@ from __future__ import annotations
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    ConfigParseError,
     CredentialRetrievalError,
+    EndpointResolutionError,
     HTTPClientError,
     IncompleteReadError,
+    InvalidConfigError,
+    InvalidRegionError,
     NoCredentialsError,
+    NoRegionError,
     PartialCredentialsError,
+    ProfileNotFound,
     ResponseStreamingError,
 )
 from botocore.exceptions import (
@@ -23,11 +32,14 @@ from botocore.exceptions import (
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from runner.errors import (
+    ConfigError,
     StorageError,
     StorageNotFoundError,
     StoragePermanentError,
     StorageTransientError,
 )
+from runner.storage.endpoint import endpoint_error
+from runner.storage.redact import redact_text
 
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
 PERMANENT_CODES = frozenset(
@@ -71,10 +83,51 @@ _UNREACHABLE_HINT = (
 )
 
 
+def client_config_error(exc: BaseException) -> ConfigError | None:
+    """A ConfigError for a mistake in the AWS configuration, None for anything else. The
+    messages are this module's own: botocore's may quote the endpoint URL with credentials."""
+    if isinstance(exc, ProfileNotFound):
+        profile = getattr(exc, "kwargs", {}).get("profile", "?")
+        return ConfigError(
+            f"AWS profile {profile!r} does not exist: fix AWS_PROFILE or add the profile to "
+            "the AWS config (AWS_CONFIG_FILE, default ~/.aws/config)"
+        )
+    if isinstance(exc, ConfigParseError):
+        path = getattr(exc, "kwargs", {}).get("path", "?")
+        return ConfigError(
+            f"cannot parse the AWS config file {path} (AWS_CONFIG_FILE / "
+            "AWS_SHARED_CREDENTIALS_FILE): it must be INI sections like [default] / "
+            "[profile NAME] of key = value lines"
+        )
+    if isinstance(exc, InvalidRegionError):
+        region = getattr(exc, "kwargs", {}).get("region_name", "?")
+        return ConfigError(
+            f"AWS region {region!r} is not a region name: fix AWS_REGION / "
+            "AWS_DEFAULT_REGION or the profile's region (e.g. us-east-1)"
+        )
+    if isinstance(exc, NoRegionError):
+        return ConfigError(
+            "no AWS region configured: set AWS_REGION / AWS_DEFAULT_REGION or the profile's "
+            "region (e.g. us-east-1)"
+        )
+    if isinstance(exc, InvalidConfigError):
+        return ConfigError(f"invalid AWS configuration: {redact_text(str(exc))}")
+    if isinstance(exc, EndpointResolutionError):
+        return endpoint_error()
+    return None
+
+
 def classify(exc: BaseException, *, bucket: str, key: str, endpoint: str) -> StorageError:
-    """A project error for exc; StorageError subclasses pass through unchanged."""
+    """A project error for exc, its message free of URL credentials; StorageError
+    subclasses pass through unchanged."""
     if isinstance(exc, StorageError):
         return exc
+    error = _classify(exc, bucket=bucket, key=key, endpoint=endpoint)
+    error.args = tuple(redact_text(a) if isinstance(a, str) else a for a in error.args)
+    return error
+
+
+def _classify(exc: BaseException, *, bucket: str, key: str, endpoint: str) -> StorageError:
     where = f"s3://{bucket}/{key} at {endpoint}"
     if isinstance(exc, ClientError):
         return _classify_client_error(exc, bucket=bucket, where=where, endpoint=endpoint)
