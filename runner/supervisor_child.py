@@ -89,6 +89,7 @@ class ChildProcess:
         except (FileNotFoundError, PermissionError) as exc:
             raise ConfigError(f"cannot start the trainer {command[0]!r}: {exc}") from exc
         self.pid = self._proc.pid
+        self.descendants.group = self.pid  # its own session: group id = its pid
         self.started_at = time.monotonic()
         assert self._proc.stdout is not None and self._proc.stderr is not None  # PIPE above
         # One thread reads both pipes: the tail gets stdout and stderr lines in the order

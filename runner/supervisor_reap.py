@@ -58,8 +58,8 @@ def become_subreaper() -> bool:
     return True
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(ppid, state) of `pid`, None once it is gone."""
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(ppid, state, process group) of `pid`, None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -69,24 +69,27 @@ def _stat(pid: int) -> tuple[int, str] | None:
     # last ')'
     fields = raw[raw.rfind(b")") + 2 :].split()
     try:
-        return int(fields[1]), fields[0].decode()
+        return int(fields[1]), fields[0].decode(), int(fields[2])
     except (IndexError, ValueError):
         return None
 
 
-def _children_map() -> dict[int, list[int]]:
+def _process_table() -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """parent -> children, and process group -> members, of every visible process."""
     parents: dict[int, list[int]] = {}
+    groups: dict[int, list[int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return parents
+        return parents, groups
     for entry in entries:
         if not entry.isdigit():
             continue
         info = _stat(int(entry))
         if info is not None:
             parents.setdefault(info[0], []).append(int(entry))
-    return parents
+            groups.setdefault(info[2], []).append(int(entry))
+    return parents, groups
 
 
 def _alive(pid: int) -> bool:
@@ -95,18 +98,24 @@ def _alive(pid: int) -> bool:
 
 
 class Descendants:
-    """The processes below this one that belong to one trainer attempt: every descendant
-    except those already our children when the attempt began (and what runs below them)."""
+    """The processes that belong to one trainer attempt: every descendant of this process
+    except those already our children when the attempt began (and what runs below them),
+    plus every member of the trainer's process group (`group`, once known) and what runs
+    below them: an orphan of that group is re-parented to init when this process is not a
+    subreaper (the supervisor embedded in another program), yet keeps its group."""
 
     def __init__(self) -> None:
         self.me = os.getpid()
-        self.foreign = frozenset(_children_map().get(self.me, []))
+        self.foreign = frozenset(_process_table()[0].get(self.me, []))
+        self.group: int | None = None
 
     def pids(self) -> list[int]:
-        """Descendants of this attempt, zombies included, parents before their children."""
-        children = _children_map()
+        """Processes of this attempt, zombies included, parents before their children."""
+        children, groups = _process_table()
         found: list[int] = []
         todo = [pid for pid in children.get(self.me, []) if pid not in self.foreign]
+        if self.group is not None:
+            todo += [pid for pid in groups.get(self.group, []) if pid not in self.foreign]
         while todo:
             pid = todo.pop(0)
             if pid in found:

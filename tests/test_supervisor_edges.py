@@ -229,3 +229,40 @@ def test_runner_child_committing_its_own_checkpoint_dir_on_stop_is_75(
     (step,) = list_checkpoints(FileStorage(run_dir))
     assert step >= 3
     assert f"final checkpoint: step {step}" in s.err, s.err
+
+
+def test_sweep_spares_processes_that_were_already_the_supervisors_children(
+    tmp_path: Path, pid_dir: Path
+) -> None:
+    """Embedded in a process with children of its own (a test harness), the supervisor
+    sweeps only what its trainer left behind."""
+    from runner.config import RunConfig
+    from runner.preemption.stop import StopController
+    from runner.supervisor import Supervisor
+
+    bystander = subprocess.Popen(["sleep", "600"])
+    controller = StopController()
+    try:
+        with open(tmp_path / "child.log", "wb") as log:
+            # a helper in the trainer's group, off its pipes, that ignores SIGTERM (a detached
+            # one would escape: only `runner run` makes the process a child subreaper)
+            leave = (
+                '"$0" "$1" helper "$2" </dev/null >/dev/null 2>&1 & '
+                'while [ ! -s "$2" ]; do sleep 0.05; done'
+            )
+            sup = Supervisor(
+                ["sh", "-c", leave, *TRAINER, str(pid_dir / "pids")],
+                config=RunConfig(run_dir=tmp_path / "run", max_restarts=0),
+                controller=controller,
+                scan_interval=0.05,
+                stdout=log,
+                stderr=log,
+            )
+            assert sup.run() == 0
+        (helper,) = _pids(pid_dir)
+        assert not _alive(helper)
+        assert bystander.poll() is None  # still running
+    finally:
+        controller.close()
+        bystander.kill()
+        bystander.wait()
