@@ -11,6 +11,7 @@ import re
 import select
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -197,3 +198,35 @@ def test_a_record_before_the_bar_shows_is_left_alone() -> None:
     finally:
         logging.getLogger("runner").removeHandler(handler)
     assert out.getvalue() == "early\n"
+
+
+def test_records_from_other_threads_never_split_the_progress_line() -> None:
+    """Mirror uploads log from their own threads while the loop redraws the line."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("runner").addHandler(handler)
+    try:
+        display = ProgressDisplay(total_steps=500, stream=out, live=True, clock=lambda: 0.0)
+
+        def upload(n: int) -> None:
+            for i in range(50):
+                logging.getLogger("runner.mirror").warning("upload %d retry %d", n, i)
+
+        threads = [threading.Thread(target=upload, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for step in range(1, 501):
+            display.update(step=step, loss=1.0)
+        for t in threads:
+            t.join()
+        display.close()
+    finally:
+        logging.getLogger("runner").removeHandler(handler)
+    screen = [line for line in render(out.getvalue()) if line]
+    records = [line for line in screen if line.startswith("WARNING ")]
+    assert len(records) == 200 and all(
+        re.fullmatch(r"WARNING upload \d retry \d+", r) for r in records
+    )
+    assert all(PROGRESS.match(line) for line in screen if not line.startswith("WARNING ")), screen
+    assert screen[-1].startswith("step 500/500 ")
