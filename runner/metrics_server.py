@@ -439,12 +439,16 @@ class _HeadReader:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    # An unparsable request line still gets a status line (http.server would answer it the
+    # HTTP/0.9 way: a bare HTML body).
+    default_request_version = "HTTP/1.0"
 
     def setup(self) -> None:
         super().setup()
-        # A timeout on each recv/send; the server's deadlines bound the whole head/response.
+        # The server's deadlines bound the whole head/response and close the connection
+        # quietly; this per-recv/send timeout is only the backstop should they not.
         limits = self.server.limits
-        self.connection.settimeout(max(limits.read_timeout_s, limits.write_timeout_s))
+        self.connection.settimeout(max(limits.read_timeout_s, limits.write_timeout_s) + 5)
         self.rfile = _HeadReader(self.rfile, limits.max_head_bytes)  # type: ignore[assignment]
 
     def handle_one_request(self) -> None:
