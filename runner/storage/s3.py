@@ -171,13 +171,13 @@ class S3Storage:
         # botocore's messages and exception chain may quote the endpoint URL: never shown
         try:
             self._client = self._make_client(session or boto3.session.Session())
-        except ValueError:  # botocore: "Invalid endpoint: <url>"
-            raise endpoint_error() from None
         except Exception as exc:
             config_error = client_config_error(exc)
-            if config_error is None:
-                raise
-            raise config_error from None
+            if config_error is not None:
+                raise config_error from None
+            if isinstance(exc, ValueError):  # botocore: "Invalid endpoint: <url>"
+                raise endpoint_error() from None
+            raise
         # never holds credentials: _make_client drops any user:password@ part
         self.endpoint: str = self._client.meta.endpoint_url
         # None until the first verified upload tells whether the store returns checksums

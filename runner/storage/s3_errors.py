@@ -102,12 +102,12 @@ def client_config_error(exc: BaseException) -> ConfigError | None:
     if isinstance(exc, InvalidRegionError):
         region = getattr(exc, "kwargs", {}).get("region_name", "?")
         return ConfigError(
-            f"AWS region {region!r} is not a region name: fix AWS_REGION / "
-            "AWS_DEFAULT_REGION or the profile's region (e.g. us-east-1)"
+            f"AWS region {region!r} is not a region name: fix AWS_DEFAULT_REGION or "
+            "the profile's region (e.g. us-east-1)"
         )
     if isinstance(exc, NoRegionError):
         return ConfigError(
-            "no AWS region configured: set AWS_REGION / AWS_DEFAULT_REGION or the profile's "
+            "no AWS region configured: set AWS_DEFAULT_REGION or the profile's "
             "region (e.g. us-east-1)"
         )
     if isinstance(exc, InvalidConfigError):
