@@ -1,0 +1,367 @@
+"""Every store call has a bounded time: CLI commands against a store that never answers or
+answers slow 500s give up within --store-timeout (plus process start-up), saying why on one
+line; waits never pass a caller's deadline; a slow but moving transfer is never cut.
+
+The failing stores are fakes (loopback servers written here): no real server answers 500s
+on demand or stops answering forever. The transfer test runs against the real SeaweedFS
+behind a bandwidth-limited relay."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runner.errors import StorageTimeoutError, StorageTransientError
+from runner.storage.retry import RetryPolicy, store_deadline
+from runner.storage.s3 import MiB, S3Storage, TransferSettings
+from tests.fixtures.s3 import SeaweedS3
+from tests.test_mirror import make_checkpoint
+
+# Process start-up (imports, boto3 client) on a loaded 2-core machine, on top of the budget.
+START_MARGIN_S = 10.0
+
+_500_BODY = b"<Error><Code>InternalError</Code><Message>try later</Message></Error>"
+
+
+class FakeStore:
+    """A loopback HTTP server that reads each request and then either never answers
+    ("hang") or answers 500 InternalError after `delay` seconds ("slow-500")."""
+
+    def __init__(self, mode: str, *, delay: float = 0.0) -> None:
+        self.mode = mode
+        self.delay = delay
+        self.requests = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._closed = threading.Event()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True, name="fake-store").start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        reader = conn.makefile("rb")
+        with contextlib.suppress(OSError, ValueError):
+            while True:
+                length = 0
+                while True:
+                    line = reader.readline()
+                    if not line:
+                        return
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                    if line in (b"\r\n", b"\n"):
+                        break
+                reader.read(length)
+                self.requests += 1
+                if self.mode == "hang":
+                    self._closed.wait()
+                    return
+                time.sleep(self.delay)
+                conn.sendall(
+                    b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
+                    + f"Content-Length: {len(_500_BODY)}\r\n\r\n".encode()
+                    + _500_BODY
+                )
+
+
+@pytest.fixture
+def silent_store() -> Iterator[FakeStore]:
+    store = FakeStore("hang")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def slow_500_store() -> Iterator[FakeStore]:
+    store = FakeStore("slow-500", delay=1.0)
+    yield store
+    store.close()
+
+
+def env_for(endpoint: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RUNNER_"))}
+    env.update(
+        AWS_ACCESS_KEY_ID="AKIDEXAMPLE",
+        AWS_SECRET_ACCESS_KEY="wJalrXUtnFEMI-example",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE="/dev/null",
+        AWS_SHARED_CREDENTIALS_FILE="/dev/null",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_ENDPOINT_URL_S3=endpoint,
+    )
+    env.update(extra)
+    return env
+
+
+def timed_runner(
+    *args: str | Path, env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    return result, time.monotonic() - started
+
+
+def the_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("runner: error:")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+# -- CLI give-up times ---------------------------------------------------------------------
+
+
+def test_fake_silent_store_ls_gives_up_within_the_store_timeout(silent_store: FakeStore) -> None:
+    result, took = timed_runner(
+        "ls", "s3://bucket/run", "--store-timeout", "6", env=env_for(silent_store.endpoint)
+    )
+    assert result.returncode == 1, result.stderr
+    assert took <= 6 + START_MARGIN_S, took
+    line = the_error_line(result)
+    assert "list s3://bucket/run/checkpoints/: gave up after" in line
+    assert "store timeout 6 s" in line and "--store-timeout" in line
+    assert "Read timeout" in line and "AWS_ENDPOINT_URL_S3" in line  # what to check
+    assert silent_store.requests >= 1
+
+
+def test_fake_slow_500_store_ls_gives_up_within_the_store_timeout(
+    slow_500_store: FakeStore,
+) -> None:
+    result, took = timed_runner(
+        "ls", "s3://bucket/run", env=env_for(slow_500_store.endpoint, RUNNER_STORE_TIMEOUT="8")
+    )
+    assert result.returncode == 1, result.stderr
+    assert took <= 8 + START_MARGIN_S, took
+    line = the_error_line(result)
+    assert "gave up after" in line and "store timeout 8 s" in line
+    assert "server answered 500 InternalError" in line
+    # botocore's 3 tries of the first operation at least, each answered 1 s late
+    assert slow_500_store.requests >= 3
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["verify", "{loc}"],
+        ["status", "{loc}"],
+        ["pull", "{loc}", "{tmp}/pulled"],
+        ["push", "{tmp}/local", "{loc}"],
+        ["prune", "{loc}", "--keep", "2"],
+        ["fork", "{loc}", "{tmp}/forked"],
+        ["repair", "{loc}"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_fake_silent_store_every_store_command_gives_up_in_time(
+    command: list[str], silent_store: FakeStore, tmp_path: Path
+) -> None:
+    make_checkpoint(tmp_path / "local", 10)
+    args = [a.format(loc="s3://bucket/run", tmp=tmp_path) for a in command]
+    result, took = timed_runner(*args, "--store-timeout", "4", env=env_for(silent_store.endpoint))
+    assert result.returncode not in (0, 2, 3), result.stderr  # a store failure, exit 1
+    assert took <= 4 + START_MARGIN_S, took
+    line = the_error_line(result)
+    assert "gave up after" in line and "store timeout 4 s" in line
+
+
+# -- the retry loop's limits (in-process, a fake clock) -------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def failing(clock: FakeClock, *, takes: float) -> tuple[list[float], object]:
+    starts: list[float] = []
+
+    def attempt() -> None:
+        starts.append(clock.now)
+        clock.now += takes
+        raise StorageTransientError("server answered 503")
+
+    return starts, attempt
+
+
+def test_retries_stop_when_one_more_try_would_end_past_the_budget() -> None:
+    clock = FakeClock()
+    starts, attempt = failing(clock, takes=2.0)
+    policy = RetryPolicy(attempts=100, initial_wait_s=1.0, max_wait_s=1.0, budget_s=10.0)
+    with pytest.raises(StorageTimeoutError, match=r"gave up after .* \(store timeout 10 s"):
+        policy.call("list s3://b/p", attempt, try_worst_s=3.0, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    # every try started early enough to end (worst case 3 s) within 10 s of the start
+    assert starts and all(s + 3.0 <= 1000.0 + 10.0 for s in starts)
+    assert clock.now <= 1000.0 + 10.0
+    assert len(starts) >= 2
+
+
+def test_waits_never_pass_the_callers_deadline() -> None:
+    clock = FakeClock()
+    starts, attempt = failing(clock, takes=0.5)
+    policy = RetryPolicy(attempts=100, initial_wait_s=20.0, max_wait_s=20.0, budget_s=3600.0)
+    with (
+        store_deadline(clock.now + 5.0),
+        pytest.raises(StorageTimeoutError, match="deadline"),
+    ):
+        policy.call("upload s3://b/p/k", attempt, try_worst_s=1.0, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    assert clock.now <= 1000.0 + 5.0
+    assert all(s + 1.0 <= 1000.0 + 5.0 for s in starts)
+
+
+def test_the_first_try_runs_even_with_no_time_left() -> None:
+    clock = FakeClock()
+    calls: list[float] = []
+    policy = RetryPolicy(budget_s=1.0)
+    with store_deadline(clock.now - 1.0):
+        result = policy.call("head", lambda: calls.append(clock.now) or "ok", clock=clock)
+    assert result == "ok" and calls == [1000.0]
+
+
+def test_progress_restarts_the_budget() -> None:
+    """A transfer that keeps moving bytes gets a fresh budget after each stall."""
+    clock = FakeClock()
+    moved: list[float | None] = [None]
+    starts: list[float] = []
+
+    def attempt() -> str:
+        starts.append(clock.now)
+        clock.now += 8.0
+        moved[0] = clock.now - 1.0  # bytes moved until just before the failure
+        if len(starts) < 4:
+            raise StorageTransientError("connection reset")
+        return "done"
+
+    policy = RetryPolicy(attempts=10, initial_wait_s=0.1, max_wait_s=0.1, budget_s=10.0)
+    result = policy.call(
+        "download s3://b/p/k",
+        attempt,
+        try_worst_s=1.0,
+        last_progress=lambda: moved[0],
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    assert result == "done" and len(starts) == 4  # 32 s in all, budget 10 s
+
+
+# -- a slow link: the read timeout is per socket read ---------------------------------------
+
+
+class ThrottledRelay:
+    """A TCP relay to the real server that moves at most `rate` bytes/s in all (both
+    directions, every connection), in 64 KiB slices."""
+
+    def __init__(self, upstream: str, *, rate: float) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self._target = (host, int(port))
+        self._rate = rate
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="relay").start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._target)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                data = src.recv(64 * 1024)
+                if not data:
+                    break
+                with self._lock:  # one slice at a time: the rate is shared
+                    time.sleep(len(data) / self._rate)
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.e2e
+def test_a_transfer_longer_than_the_store_timeout_completes_on_a_slow_link(
+    s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Store timeout 2 s (connect and read timeouts 1 s): a 20 MiB object moved at 5 MiB/s
+    takes about 4 s each way, up in 16 MiB multipart parts and down in ranged GETs, and
+    arrives whole."""
+    settings = TransferSettings.for_store_timeout(2.0)
+    assert settings.read_timeout_s == 1.0 and settings.connect_timeout_s == 1.0
+    bucket = s3_env.create_bucket()
+    relay = ThrottledRelay(s3_env.endpoint, rate=5 * MiB)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", relay.endpoint)
+        store = S3Storage.from_uri(f"s3://{bucket}/run", store_timeout_s=2.0)
+        data = hashlib.sha256(b"slow").digest() * (20 * MiB // 32)
+        src = tmp_path / "big.bin"
+        src.write_bytes(data)
+        digest = hashlib.sha256(data).hexdigest()
+        started = time.monotonic()
+        store.put_file("big.bin", src, sha256=digest)
+        up = time.monotonic() - started
+        started = time.monotonic()
+        store.get_file("big.bin", tmp_path / "back.bin", sha256=digest, size=len(data))
+        down = time.monotonic() - started
+    finally:
+        relay.close()
+    assert (tmp_path / "back.bin").read_bytes() == data
+    # the link really was slower than the store timeout (else this shows nothing)
+    assert up > 2.0 and down > 2.0, (up, down)
