@@ -106,8 +106,22 @@ def test_sigterm_right_after_start_exits_75_with_nothing_trained(
         proc.wait()
     assert proc.returncode == EXIT_PREEMPTED, err
     assert "Traceback" not in err
-    assert "stopped by SIGTERM at step 0 before anything was trained" in err
-    assert checkpoint_steps(run_dir) == []
+    _assert_clean_stop(run_dir, err, resumed_at=0)
+
+
+def _assert_clean_stop(run_dir: Path, err: str, *, resumed_at: int) -> None:
+    """Stopped before training (the case on this machine: torch alone imports for longer
+    than 1 s) or, on a faster one, after a few steps with their final checkpoint."""
+    trained = [s for s in logged_steps(run_dir) if s > resumed_at]
+    if not trained:
+        # before the resume (step 0, nothing restored) or right after it (its checkpoint stands)
+        assert "stopped by SIGTERM at step 0 before anything was trained" in err or (
+            resumed_at > 0 and f"stopped by SIGTERM at step {resumed_at}:" in err
+        ), err
+        assert checkpoint_steps(run_dir) == ([] if resumed_at == 0 else [2, 4])
+    else:
+        assert f"stopped by SIGTERM at step {max(trained)}: final checkpoint durable" in err
+        assert max(trained) in checkpoint_steps(run_dir)
 
 
 @pytest.mark.parametrize("after_s", [0.1, 0.5, 1.0])
@@ -131,8 +145,8 @@ def test_sigterm_right_after_start_of_a_resumed_run_exits_75_and_keeps_its_check
     assert proc.returncode == EXIT_PREEMPTED, err
     assert "Traceback" not in err
     after = {s: (run_dir / f"checkpoints/step_{s:06d}/manifest.json").read_bytes() for s in (2, 4)}
-    assert checkpoint_steps(run_dir) == [2, 4] and after == before
-    assert max(logged_steps(run_dir)) == 4  # nothing trained
+    assert after == before
+    _assert_clean_stop(run_dir, err, resumed_at=4)
 
 
 USER_SCRIPT = textwrap.dedent(
