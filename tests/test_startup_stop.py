@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -202,3 +203,34 @@ def test_a_refused_checkpoint_is_logged_once_under_runner_run(tmp_path: Path) ->
     output = done.stdout + done.stderr
     assert output.count("not resuming from step 4:") == 1, output
     assert "sha256 mismatch" in output and checkpoint_steps(run_dir) == [2, 4, 6]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_fake_silent_store_a_command_without_a_stop_controller_still_ends_on_a_signal(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Signals recorded from the first instant belong to demo/run only: `runner ls` waiting
+    on a silent store ends on SIGTERM (default action) or Ctrl-C (Aborted, 1) as before."""
+    with FakeBlackholeServer() as hole:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "runner", "ls", "s3://bucket/p"],
+            cwd=REPO,
+            env=_fake_store_env(hole.endpoint),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while hole.accepted == 0 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert hole.accepted > 0 and proc.poll() is None, "never reached the store"
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=10)
+        finally:
+            proc.kill()
+            proc.wait()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == -signal.SIGTERM, err
+    else:
+        assert proc.returncode == 1 and "Aborted." in err, err

@@ -33,9 +33,26 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# Commands that hand SIGTERM/SIGINT/SIGUSR1 to a StopController (install_signal_handlers):
+# the signals recorded since the process started are theirs. Every other command gets the
+# default dispositions back (Ctrl-C / SIGTERM end `runner ls` as they always did).
+STOP_AWARE = frozenset({"demo", "run"})
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if name not in STOP_AWARE:
+            from runner.preemption import early
+
+            if early.early_handlers_installed():
+                early.release_early()
+        return name, command, rest
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         target = COMMANDS.get(cmd_name)

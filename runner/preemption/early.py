@@ -49,6 +49,17 @@ def take_early() -> list[tuple[int, float]]:
     return taken
 
 
+def release_early() -> None:
+    """For a command that never installs a StopController (`runner ls`, `verify`, ...): the
+    default dispositions back (SIGINT raises KeyboardInterrupt, SIGTERM ends the process),
+    and a signal recorded meanwhile is delivered now, as if it had just arrived."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum, _ in take_early():
+        signal.raise_signal(signum)
+
+
 def ignore_late() -> None:
     """From now on SIGTERM/SIGINT/SIGUSR1 are recorded and ignored (main thread only)."""
     for sig in HANDLED:
