@@ -90,9 +90,13 @@ class RetryPolicy:
             try:
                 return func()
             except StorageTransientError as exc:
-                if attempt >= self.attempts:
-                    raise
                 now = clock()
+                if attempt >= self.attempts:
+                    # same type, and the message says for how long it was tried
+                    raise type(exc)(
+                        f"{what}: gave up after {now - started:.1f} s and {attempt} tries; "
+                        f"last error: {exc}"
+                    ) from exc
                 wait = random.uniform(
                     0, min(self.max_wait_s, self.initial_wait_s * 2 ** (attempt - 1))
                 )
