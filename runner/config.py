@@ -138,7 +138,9 @@ def _check_endpoint(url: str) -> None:
     except ValueError:  # not a number, or out of range
         port_ok = False
     if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
+        from runner.storage.redact import redact_text
+
         raise ConfigError(
-            f"--notice-endpoint {url!r}: give the metadata server's base URL, "
+            f"--notice-endpoint {redact_text(url)!r}: give the metadata server's base URL, "
             "http://HOST[:PORT] or https://HOST[:PORT] (e.g. http://169.254.169.254)"
         )

@@ -246,6 +246,22 @@ def test_credentials_in_an_invalid_endpoint_are_never_shown() -> None:
     assert "admin" not in line
 
 
+def test_credentials_in_an_invalid_notice_endpoint_are_never_shown(tmp_path: Path) -> None:
+    url = f"http://admin:{CANARY}@169.254.169.254:0"
+    result = runner(
+        "run",
+        "--run-dir",
+        tmp_path / "run",
+        "--notice-endpoint",
+        url,
+        "--",
+        "true",
+        env=clean_env(),
+    )
+    assert_config_error(result, "--notice-endpoint", "http://***@169.254.169.254:0")
+    assert CANARY not in result.stdout + result.stderr
+
+
 def test_credentials_in_the_endpoint_never_appear_in_any_output_or_log(tmp_path: Path) -> None:
     """Every store command, plus `runner run` and `runner demo` with an s3:// mirror, against
     an endpoint with a user:password that refuses connections: each fails, and the secret is
