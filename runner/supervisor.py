@@ -54,6 +54,7 @@ from runner.errors import (
 )
 from runner.preemption.stop import StopController
 from runner.sidecars import LossFollower, LossLog
+from runner.startup import StartupInterrupted, run_interruptible
 from runner.storage.file import FileStorage
 from runner.supervisor_adopt import Adopted, ResolveResume, ResumePoint, SeedAdopter, find_resume
 from runner.supervisor_child import (
@@ -249,12 +250,22 @@ class Supervisor:
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
         self.attempts += 1
-        resume = find_resume(
-            self.run_dir,
-            resolve=self.resolve_resume,
-            on_skip=self._skipped,
-            fresh_start=self.config.fresh_start,
-        )
+        try:
+            # against a store that never answers this could outlast the grace period: a stop
+            # gives it up (nothing was started, nothing is published after that)
+            resume = run_interruptible(
+                lambda: find_resume(
+                    self.run_dir,
+                    resolve=self.resolve_resume,
+                    on_skip=self._skipped,
+                    fresh_start=self.config.fresh_start,
+                ),
+                stop=self.controller,
+                what="resume resolution",
+            )
+        except StartupInterrupted as exc:
+            log.warning("%s; the trainer was not started, nothing was trained", exc)
+            return EXIT_PREEMPTED
         self._report_resume(resume)
         if resume is not None and (
             self.last_checkpoint is None or self.last_checkpoint.step < resume.step

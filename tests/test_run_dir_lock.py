@@ -176,7 +176,9 @@ def test_demo_on_a_supervised_run_dir_exits_2_naming_the_supervisor(tmp_path: Pa
         out, _ = supervisor.communicate(timeout=30)
     finally:
         _stop(supervisor)
-    assert supervisor.returncode == 75, out
+    # the trainer was killed by the forwarded SIGTERM with nothing committed: not 75
+    assert supervisor.returncode == 1, out
+    assert "no checkpoint stands" in out or "none stands" in out, out
     # and now the run dir is free
     done = run_demo(run_dir, steps=3, ckpt_every=3)
     assert done.returncode == 0, done.stderr

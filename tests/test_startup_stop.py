@@ -42,11 +42,12 @@ def _fake_store_env(endpoint: str) -> dict[str, str]:
     }
 
 
-def _sigterm_during_startup(run_dir: Path) -> tuple[int, str, float]:
-    """Start the demo against the fake store, SIGTERM once it is talking to it; returns
-    (exit code, stderr, seconds from SIGTERM to exit)."""
+def _sigterm_during_startup(run_dir: Path, cmd: list[str] | None = None) -> tuple[int, str, float]:
+    """Start the demo (or `cmd`) against the fake store, SIGTERM once it is talking to it;
+    returns (exit code, stderr, seconds from SIGTERM to exit)."""
     with FakeBlackholeServer() as hole:
-        cmd = demo_cmd(run_dir, "--mirror", "s3://bucket/p", "--grace-seconds", str(GRACE_S))
+        if cmd is None:
+            cmd = demo_cmd(run_dir, "--mirror", "s3://bucket/p", "--grace-seconds", str(GRACE_S))
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
@@ -81,6 +82,26 @@ def test_fake_silent_store_sigterm_during_startup_exits_75_within_grace(tmp_path
     ckpt_dir = run_dir / "checkpoints"
     assert not ckpt_dir.exists() or sorted(p.name for p in ckpt_dir.iterdir()) == []
     assert logged_steps(run_dir) == []
+
+
+def test_fake_silent_store_sigterm_during_runner_run_startup_exits_75_without_a_trainer(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    started = tmp_path / "trainer-started"
+    cmd = [
+        sys.executable, "-m", "runner", "run", "--run-dir", str(run_dir),
+        "--mirror", "s3://bucket/p", "--grace-seconds", str(GRACE_S), "--",
+        sys.executable, "-c", f"open({str(started)!r}, 'w').close()",
+    ]  # fmt: skip
+    code, err, took = _sigterm_during_startup(run_dir, cmd)
+    assert code == EXIT_PREEMPTED, err
+    assert took <= GRACE_S + 2, (took, err)
+    assert "Traceback" not in err
+    assert "stop requested (SIGTERM) during resume resolution: given up" in err
+    assert "the trainer was not started" in err
+    assert not started.exists()
+    assert checkpoint_steps(run_dir) == []
 
 
 def test_fake_silent_store_sigterm_during_a_resumed_startup_keeps_the_checkpoint(
