@@ -260,6 +260,7 @@ _KIND_NAMES = {
 @dataclass
 class _Conn:
     deadline: float
+    peer: str = "an unknown peer"
     reading: bool = True
     since: float = 0.0
     dropped: bool = False
@@ -322,12 +323,16 @@ class _Server(ThreadingHTTPServer):
                     victim[1].dropped = True
             else:
                 victim = None
-            admitted = len(live) < limit or victim is not None
+            # Dropped connections count until their thread has closed them: the descriptors
+            # held never exceed 2 * limit (+ the listening socket).
+            admitted = len(self._conns) < 2 * limit and (len(live) < limit or victim is not None)
             if admitted:
-                self._conns[request] = _Conn(deadline=now + self.limits.read_timeout_s, since=now)
+                self._conns[request] = _Conn(
+                    deadline=now + self.limits.read_timeout_s, peer=_peer(client_address), since=now
+                )
         if victim is not None:
             _hang_up(victim[0])
-        if len(live) >= limit:
+        if victim is not None or not admitted:
             what = "dropped the oldest idle connection" if victim else "refused a connection"
             self.warnings.note(
                 "full", f"{what} from {_peer(client_address)}: {limit} connections are open"
@@ -359,14 +364,12 @@ class _Server(ThreadingHTTPServer):
         # Runs on the serve_forever thread after every accept and every poll interval.
         now = time.monotonic()
         with self._conns_lock:
-            late = [s for s, c in self._conns.items() if not c.dropped and c.deadline <= now]
-            for sock in late:
-                self._conns[sock].dropped = True
-        for sock in late:
+            late = [(s, c) for s, c in self._conns.items() if not c.dropped and c.deadline <= now]
+            for _, conn in late:
+                conn.dropped = True
+        for sock, conn in late:
             _hang_up(sock)
-            self.warnings.note(
-                "timeout", f"closed a connection from {_peer(_peername(sock))} at its deadline"
-            )
+            self.warnings.note("timeout", f"closed a connection from {conn.peer} at its deadline")
         self.warnings.flush()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -396,13 +399,6 @@ def _hang_up(sock: socket.socket) -> None:
     # shutdown() wakes the handler thread blocked in recv(); it then closes the socket.
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-
-
-def _peername(sock: socket.socket) -> Any:
-    try:
-        return sock.getpeername()
-    except OSError:
-        return None
 
 
 def _peer(address: Any) -> str:

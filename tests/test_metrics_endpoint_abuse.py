@@ -24,6 +24,7 @@ import pytest
 
 from runner.checkpoint.reader import verify_dir
 from runner.metrics import RunnerMetrics, serve_metrics
+from runner.metrics_server import ServerLimits
 from tests.demo_process import checkpoint_steps, demo_cmd, logged_steps, wait_for_step
 from tests.fixtures.prometheus import free_port
 from tests.test_metrics_cli import scrape, value
@@ -339,3 +340,41 @@ def test_ipv6_wildcard_and_brackets_bind_and_a_foreign_address_is_a_clear_error(
         done.stderr
     )
     assert "Traceback" not in done.stderr
+
+
+def test_a_trickling_request_is_cut_at_the_deadline_not_kept_alive_by_each_byte() -> None:
+    # Slowloris: one byte every 0.2 s never trips a per-recv timeout; the deadline covers the
+    # whole request head.
+    limits = ServerLimits(max_connections=4, read_timeout_s=1.5)
+    with serve_metrics(RunnerMetrics(), host="127.0.0.1", port=None, limits=limits) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        started = time.monotonic()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for byte in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"z" * 200:
+                sock.send(bytes([byte]))
+                time.sleep(0.2)
+                if time.monotonic() - started > 8:
+                    break
+        sock.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(100) == b""
+        assert time.monotonic() - started < 6
+        sock.close()
+
+
+def test_at_the_connection_limit_the_oldest_idle_one_makes_room_for_a_scrape() -> None:
+    limits = ServerLimits(max_connections=4)
+    with serve_metrics(RunnerMetrics(), host="127.0.0.1", port=None, limits=limits) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(40)]
+        try:
+            for _ in range(3):
+                with urllib.request.urlopen(f"{server.url}/healthz", timeout=5) as response:
+                    assert response.status == 200
+            tracked = len(server._httpd._conns)
+            assert tracked <= 2 * limits.max_connections, tracked
+            # The first idle connections were hung up on to make room.
+            idle[0].settimeout(5)
+            assert idle[0].recv(10) == b""
+        finally:
+            for sock in idle:
+                sock.close()
