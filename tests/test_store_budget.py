@@ -35,11 +35,13 @@ _500_BODY = b"<Error><Code>InternalError</Code><Message>try later</Message></Err
 
 class FakeStore:
     """A loopback HTTP server that reads each request and then either never answers
-    ("hang") or answers 500 InternalError after `delay` seconds ("slow-500")."""
+    ("hang") or answers 500 InternalError after `delay` seconds ("slow-500"). With `listing`,
+    a ListObjectsV2 request is answered 200 with those keys instead."""
 
-    def __init__(self, mode: str, *, delay: float = 0.0) -> None:
+    def __init__(self, mode: str, *, delay: float = 0.0, listing: list[str] | None = None) -> None:
         self.mode = mode
         self.delay = delay
+        self.listing = listing
         self.requests = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._closed = threading.Event()
@@ -72,6 +74,9 @@ class FakeStore:
         with contextlib.suppress(OSError, ValueError):
             while True:
                 length = 0
+                request_line = reader.readline()
+                if not request_line:
+                    return
                 while True:
                     line = reader.readline()
                     if not line:
@@ -82,6 +87,14 @@ class FakeStore:
                         break
                 reader.read(length)
                 self.requests += 1
+                if self.listing is not None and b"list-type=2" in request_line:
+                    body = _listing(self.listing)
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+                    continue
                 if self.mode == "hang":
                     self._closed.wait()
                     return
@@ -91,6 +104,20 @@ class FakeStore:
                     + f"Content-Length: {len(_500_BODY)}\r\n\r\n".encode()
                     + _500_BODY
                 )
+
+
+def _listing(keys: list[str]) -> bytes:
+    contents = "".join(
+        f"<Contents><Key>{key}</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+        f'<ETag>"0"</ETag><Size>100</Size><StorageClass>STANDARD</StorageClass></Contents>'
+        for key in keys
+    )
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>bucket</Name><KeyCount>{len(keys)}</KeyCount><MaxKeys>1000</MaxKeys>"
+        f"<IsTruncated>false</IsTruncated>{contents}</ListBucketResult>"
+    ).encode()
 
 
 @pytest.fixture
@@ -173,6 +200,24 @@ def test_fake_slow_500_store_ls_gives_up_within_the_store_timeout(
     assert "server answered 500 InternalError" in line
     # botocore's 3 tries of the first operation at least, each answered 1 s late
     assert slow_500_store.requests >= 3
+
+
+def test_fake_store_that_lists_but_fails_every_read_costs_ls_one_timeout_not_one_each() -> None:
+    """The listing names 5 checkpoints and every manifest read is answered 500 after 1 s: the
+    first read gives up after the store timeout, the other 4 are not tried."""
+    keys = [f"run/checkpoints/step_{n:06d}/manifest.json" for n in range(1, 6)]
+    store = FakeStore("slow-500", delay=1.0, listing=keys)
+    try:
+        result, took = timed_runner(
+            "ls", "s3://bucket/run", "--store-timeout", "6", env=env_for(store.endpoint)
+        )
+    finally:
+        store.close()
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    assert took <= 6 + START_MARGIN_S, (took, output)  # was 5 x the budget
+    assert output.count("gave up after") == 1, output
+    assert output.count("not tried, the store already failed this command") == 4, output
 
 
 @pytest.mark.parametrize(
@@ -291,14 +336,13 @@ def test_progress_restarts_the_budget() -> None:
 
 
 class ThrottledRelay:
-    """A TCP relay to the real server that moves at most `rate` bytes/s in all (both
-    directions, every connection), in 64 KiB slices."""
+    """A TCP relay to the real server that moves at most `rate` bytes/s in each direction of
+    each connection, in 64 KiB slices (no shared budget: no connection starves another)."""
 
     def __init__(self, upstream: str, *, rate: float) -> None:
         host, port = upstream.removeprefix("http://").split(":")
         self._target = (host, int(port))
         self._rate = rate
-        self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="relay").start()
@@ -328,8 +372,7 @@ class ThrottledRelay:
                 data = src.recv(64 * 1024)
                 if not data:
                     break
-                with self._lock:  # one slice at a time: the rate is shared
-                    time.sleep(len(data) / self._rate)
+                time.sleep(len(data) / self._rate)
                 dst.sendall(data)
         for s in (src, dst):
             with contextlib.suppress(OSError):
@@ -337,19 +380,21 @@ class ThrottledRelay:
 
 
 @pytest.mark.e2e
-def test_a_transfer_longer_than_the_store_timeout_completes_on_a_slow_link(
+def test_a_transfer_longer_than_its_read_timeout_completes_on_a_slow_link(
     s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Store timeout 2 s (connect and read timeouts 1 s): a 20 MiB object moved at 5 MiB/s
-    takes about 4 s each way, up in 16 MiB multipart parts and down in ranged GETs, and
-    arrives whole."""
-    settings = TransferSettings.for_store_timeout(2.0)
-    assert settings.read_timeout_s == 1.0 and settings.connect_timeout_s == 1.0
+    """Store timeout 30 s (connect and read timeouts 5 s): a 20 MiB object, at 2 MiB/s per
+    connection, takes about 8 s each way (its 16 MiB part or range is the longest), up in
+    multipart parts and down in ranged GETs, and arrives whole. (The link must drain a
+    socket's send buffer, a few MiB, within the read timeout: the answer to a part comes only
+    after that.)"""
+    settings = TransferSettings.for_store_timeout(30.0)
+    assert settings.read_timeout_s == 5.0 and settings.connect_timeout_s == 5.0
     bucket = s3_env.create_bucket()
-    relay = ThrottledRelay(s3_env.endpoint, rate=5 * MiB)
+    relay = ThrottledRelay(s3_env.endpoint, rate=2 * MiB)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", relay.endpoint)
-        store = S3Storage.from_uri(f"s3://{bucket}/run", store_timeout_s=2.0)
+        store = S3Storage.from_uri(f"s3://{bucket}/run", store_timeout_s=30.0)
         data = hashlib.sha256(b"slow").digest() * (20 * MiB // 32)
         src = tmp_path / "big.bin"
         src.write_bytes(data)
@@ -363,5 +408,5 @@ def test_a_transfer_longer_than_the_store_timeout_completes_on_a_slow_link(
     finally:
         relay.close()
     assert (tmp_path / "back.bin").read_bytes() == data
-    # the link really was slower than the store timeout (else this shows nothing)
-    assert up > 2.0 and down > 2.0, (up, down)
+    # each way took longer than the read timeout (else this shows nothing)
+    assert up > 5.0 and down > 5.0, (up, down)

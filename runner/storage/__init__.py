@@ -53,7 +53,10 @@ def open_storage(location: str | Path) -> Storage:
     if text.startswith("s3://"):
         from runner.storage.s3 import S3Storage  # boto3 is imported only when needed
 
-        return S3Storage.from_uri(text, store_timeout_s=store_timeout())
+        # a command that set --store-timeout stops at the first call that gave up
+        return S3Storage.from_uri(
+            text, store_timeout_s=store_timeout(), give_up_once=_store_timeout_s is not None
+        )
     if text.startswith("file://"):
         parsed = urlparse(text)
         if parsed.netloc not in ("", "localhost"):

@@ -50,6 +50,7 @@ from runner.errors import (
     RunnerError,
     StorageConflictError,
     StorageError,
+    StorageTimeoutError,
     StorageTransientError,
 )
 from runner.storage.base import ObjectInfo, ProgressCallback, check_download, check_key
@@ -77,7 +78,9 @@ class TransferSettings:
     connect_timeout_s: float = 10.0
     """Also bounds each blocked socket send (urllib3 sends the body under it)."""
     read_timeout_s: float = 10.0
-    """Per socket read, not per object: a long transfer that keeps moving never hits it."""
+    """Per socket read, not per object: a long transfer that keeps moving never hits it. It
+    also covers the wait for an answer after a part was handed to the kernel, which on a
+    slow link includes draining the socket's send buffer (up to a few MiB)."""
     download_attempts: int = 2
     """Tries of one ranged GET inside s3transfer when its body stream breaks off."""
 
@@ -94,7 +97,7 @@ class TransferSettings:
         above 10 s to connect and 20 s per read."""
         share = seconds / (2 * 3)
         return cls(
-            connect_timeout_s=min(10.0, max(1.0, share)),
+            connect_timeout_s=min(10.0, max(2.0, share)),
             read_timeout_s=min(20.0, max(1.0, share)),
         )
 
@@ -159,9 +162,12 @@ class S3Storage:
         settings: TransferSettings | None = None,
         retry: RetryPolicy | None = None,
         store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
+        give_up_once: bool = False,
     ) -> None:
         """store_timeout_s sizes the defaults of settings and retry (docs/storage.md, "Time
-        limits"); explicit ones are used as given."""
+        limits"); explicit ones are used as given. With give_up_once (a CLI command), once a
+        call gave up on the store every later call fails at once instead of spending the
+        store timeout again (a command reading N checkpoints ends in T, not N x T)."""
         if not bucket:
             raise ConfigError("S3 location needs a bucket: s3://bucket/prefix")
         self.bucket = bucket
@@ -183,6 +189,8 @@ class S3Storage:
         # None until the first verified upload tells whether the store returns checksums
         self._server_checksums: bool | None = None
         self._conditional_puts = True
+        self._give_up_once = give_up_once
+        self._gave_up: StorageTimeoutError | None = None
 
     @classmethod
     def from_uri(cls, uri: str, **kwargs: Any) -> S3Storage:
@@ -255,12 +263,22 @@ class S3Storage:
                     exc, bucket=self.bucket, key=self._full_or_raw(key), endpoint=self.endpoint
                 ) from exc
 
-        return self.retry.call(
-            f"{what} {self.uri}/{key}",
-            attempt,
-            try_worst_s=self.settings.request_worst_s(),
-            last_progress=last_progress,
-        )
+        if self._gave_up is not None:
+            raise StorageTimeoutError(
+                f"{what} {self.uri}/{key}: not tried, the store already failed this command "
+                "(the first error says how)"
+            )
+        try:
+            return self.retry.call(
+                f"{what} {self.uri}/{key}",
+                attempt,
+                try_worst_s=self.settings.request_worst_s(),
+                last_progress=last_progress,
+            )
+        except StorageTimeoutError as exc:
+            if self._give_up_once:
+                self._gave_up = exc
+            raise
 
     def _full_or_raw(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix and key else key or self.prefix

@@ -169,5 +169,6 @@ def _classify_client_error(
     if code in NOT_FOUND_CODES or (status == 404 and code not in TRANSIENT_CODES):
         return StorageNotFoundError(f"{where} does not exist")
     if code in TRANSIENT_CODES or status in TRANSIENT_STATUS:
-        return StorageTransientError(f"{where}: server answered {status} {detail}; will retry")
+        answer = detail if detail.startswith(str(status)) else f"{status} {detail}"
+        return StorageTransientError(f"{where}: server answered {answer}")
     return StoragePermanentError(f"{where}: request refused ({status} {detail})")
