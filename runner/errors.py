@@ -99,6 +99,16 @@ class ChildFailedError(RunnerError):
     """A supervised trainer kept crashing past the restart limit."""
 
 
+class TrainerUsageError(ConfigError):
+    """A supervised trainer exited 2 (usage / configuration error): restarting it would fail
+    the same way, so `runner run` exits 2 too."""
+
+
+class TrainerIntegrityError(IntegrityError):
+    """A supervised trainer exited 3 (integrity failure): not restarted, `runner run` exits 3
+    too."""
+
+
 class StorageTimeoutError(StorageTransientError):
     """A store call gave up: the store kept failing (or never answered) for its whole time
     budget (`--store-timeout`), or the caller's deadline came first. Still transient: a later

@@ -49,8 +49,9 @@ from runner.errors import (
     EXIT_USAGE,
     ChildFailedError,
     ConfigError,
-    IntegrityError,
     RunnerError,
+    TrainerIntegrityError,
+    TrainerUsageError,
 )
 from runner.preemption.stop import StopController
 from runner.sidecars import LossFollower, LossLog
@@ -114,15 +115,6 @@ class ChildCrashed(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(describe_exit(code))
         self.code = code
-
-
-class TrainerUsageError(ConfigError):
-    """The trainer exited 2 (usage / configuration error): restarting it would fail the same
-    way, so `runner run` exits 2 too."""
-
-
-class TrainerIntegrityError(IntegrityError):
-    """The trainer exited 3 (integrity failure): not restarted, `runner run` exits 3 too."""
 
 
 class Supervisor:
