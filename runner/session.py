@@ -319,6 +319,11 @@ class TrainSession:
 
     def step_done(self) -> bool:
         """Call after every optimizer step. Saves when due; returns `should_stop`."""
+        if self.startup_given_up:
+            # a loop that trains before asking should_stop took a step from state that start-up
+            # never restored: it is not logged (it would overwrite the audit line of a real
+            # step) and finish() does not save it
+            return True
         counters = self.state.counters
         if self.state.loss_history and len(self.state.loss_history) >= counters.step:
             self.loss_log.append(counters.step, self.state.loss_history[counters.step - 1])
@@ -417,7 +422,9 @@ class TrainSession:
         started = time.monotonic()
         ckpt = self.last_checkpoint
         if ckpt is None or ckpt.step != self.step:
-            if self.step == 0 and self.resumed_from is None:
+            if self.startup_given_up:
+                ckpt = None  # whatever the loop did after start-up was given up is not saved
+            elif self.step == 0 and self.resumed_from is None:
                 ckpt = None  # nothing trained, nothing to save
             elif self.resumed_from == self.step and self.last_checkpoint is None:
                 ckpt = None  # stopped right after resuming: the checkpoint we resumed from stands

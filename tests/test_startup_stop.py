@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -255,3 +256,56 @@ def test_fake_silent_store_a_command_without_a_stop_controller_still_ends_on_a_s
         assert proc.returncode == -signal.SIGTERM, err
     else:
         assert proc.returncode == 1 and "Aborted." in err, err
+
+
+TRAIN_FIRST_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from runner.config import RunConfig
+    from runner.preemption.signals import install_signal_handlers
+    from runner.preemption.stop import StopController
+    from runner.session import TrainSession
+    from runner.train_state import ModuleTrainState
+
+    config = RunConfig(run_dir=sys.argv[1], mirror="s3://bucket/p", steps=1000,
+                       ckpt_every=1, grace_seconds=float(sys.argv[2]))
+    stop = StopController()
+    restore = install_signal_handlers(stop, grace_seconds=config.grace_seconds)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ModuleTrainState(model=model, optimizer=opt)
+    x = torch.ones(8, 4)
+    with TrainSession(config, state=state, stop=stop) as session:
+        for _ in range(1000):  # trains first, asks afterwards: a common loop shape
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.advance(loss=loss.item())
+            if session.step_done():
+                break
+    restore()
+    sys.exit(session.exit_code)
+    """
+)
+
+
+def test_fake_silent_store_a_loop_that_trains_before_asking_saves_and_logs_nothing(
+    tmp_path: Path,
+) -> None:
+    """Start-up given up on: the step such a loop takes from state that was never restored is
+    neither logged (it would overwrite the audit line of the run's real step 1) nor saved."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    history = b'{"step": 1, "loss": 123.0}\n'
+    (run_dir / "loss.jsonl").write_bytes(history)
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_FIRST_SCRIPT)
+    cmd = [sys.executable, str(script), str(run_dir), str(GRACE_S)]
+    code, err, took = _sigterm_during_startup(run_dir, cmd)
+    assert code == EXIT_PREEMPTED, err
+    assert took <= GRACE_S + 2, (took, err)
+    assert "during resume resolution: given up" in err
+    assert (run_dir / "loss.jsonl").read_bytes() == history
+    assert checkpoint_steps(run_dir) == []
