@@ -99,10 +99,12 @@ class FakeStore:
                     self._closed.wait()
                     return
                 time.sleep(self.delay)
+                # a HEAD answer has the headers only: a body would be read as the next answer
+                body = b"" if request_line.startswith(b"HEAD ") else _500_BODY
                 conn.sendall(
                     b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
                     + f"Content-Length: {len(_500_BODY)}\r\n\r\n".encode()
-                    + _500_BODY
+                    + body
                 )
 
 
@@ -218,6 +220,26 @@ def test_fake_store_that_lists_but_fails_every_read_costs_ls_one_timeout_not_one
     assert took <= 6 + START_MARGIN_S, (took, output)  # was 5 x the budget
     assert output.count("gave up after") == 1, output
     assert output.count("not tried, the store already failed this command") == 4, output
+
+
+def test_fake_store_failing_every_read_fast_costs_ls_one_retry_cycle() -> None:
+    """Every read is answered 500 at once, so the first read uses up its tries long before
+    the (default, 60 s) store timeout: that too fails the command, and the other 7 reads are
+    not tried (before: one full retry cycle per checkpoint)."""
+    keys = [f"run/checkpoints/step_{n:06d}/manifest.json" for n in range(1, 9)]
+    store = FakeStore("slow-500", delay=0.0, listing=keys)
+    try:
+        result, took = timed_runner("ls", "s3://bucket/run", env=env_for(store.endpoint))
+    finally:
+        store.close()
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    assert output.count("gave up after") == 1, output
+    assert "(all 5 tries failed)" in output, output
+    assert output.count("not tried, the store already failed this command") == 7, output
+    # 5 operation tries x 3 botocore tries, list included: 16 requests, not 8 x 15
+    assert store.requests == 1 + 5 * 3, store.requests
+    assert took <= 60 + START_MARGIN_S, (took, output)  # default store timeout: 60 s
 
 
 @pytest.mark.parametrize(

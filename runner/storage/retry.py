@@ -92,10 +92,11 @@ class RetryPolicy:
             except StorageTransientError as exc:
                 now = clock()
                 if attempt >= self.attempts:
-                    # same type, and the message says for how long it was tried
+                    # same type, and the message says why and for how long it was tried
                     raise type(exc)(
-                        f"{what}: gave up after {now - started:.1f} s and {attempt} tries; "
-                        f"last error: {exc}"
+                        f"{what}: gave up after {now - started:.1f} s and {attempt} "
+                        f"tr{'y' if attempt == 1 else 'ies'} (all {self.attempts} tries "
+                        f"failed); last error: {exc}"
                     ) from exc
                 wait = random.uniform(
                     0, min(self.max_wait_s, self.initial_wait_s * 2 ** (attempt - 1))

@@ -190,7 +190,7 @@ class S3Storage:
         self._server_checksums: bool | None = None
         self._conditional_puts = True
         self._give_up_once = give_up_once
-        self._gave_up: StorageTimeoutError | None = None
+        self._gave_up: StorageTransientError | None = None
 
     @classmethod
     def from_uri(cls, uri: str, **kwargs: Any) -> S3Storage:
@@ -275,7 +275,9 @@ class S3Storage:
                 try_worst_s=self.settings.request_worst_s(),
                 last_progress=last_progress,
             )
-        except StorageTimeoutError as exc:
+        except StorageTransientError as exc:
+            # anything transient that escaped the retry loop used up its tries or its time:
+            # either way the store failed this command
             if self._give_up_once:
                 self._gave_up = exc
             raise
