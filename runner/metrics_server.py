@@ -452,7 +452,14 @@ class _Handler(BaseHTTPRequestHandler):
         reader = self.rfile
         if isinstance(reader, _HeadReader):
             reader.left = self.server.limits.max_head_bytes
-        super().handle_one_request()
+        try:
+            super().handle_one_request()
+        except http.client.LineTooLong:
+            # the request line itself ran past the head cap (http.server catches this only
+            # for header lines): answered like http.server's own over-long request line
+            self.requestline = self.request_version = self.command = ""
+            self.close_connection = True
+            self.send_error(http.HTTPStatus.REQUEST_URI_TOO_LONG)
 
     def parse_request(self) -> bool:
         ok = super().parse_request()

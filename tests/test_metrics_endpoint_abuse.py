@@ -6,6 +6,7 @@ its log, and `--metrics-host` binds (and logs) exactly the address asked for."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import resource
@@ -340,6 +341,24 @@ def test_ipv6_wildcard_and_brackets_bind_and_a_foreign_address_is_a_clear_error(
         done.stderr
     )
     assert "Traceback" not in done.stderr
+
+
+def test_an_overlong_request_line_gets_414_and_one_warning_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The head cap applies to the request line too; http.server answers only header lines.
+    request = b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n"
+    with (
+        serve_metrics(RunnerMetrics(), host="127.0.0.1", port=None) as server,
+        caplog.at_level(logging.WARNING, logger="runner"),
+    ):
+        reply = _send_and_hang_up(server.port, request, reset=False)
+        assert reply.startswith(b"HTTP/1.1 414 "), reply[:80]
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=10) as r:
+            assert r.status == 200
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "414" in warnings[0], warnings
+    assert "Traceback" not in caplog.text
 
 
 def test_a_trickling_request_is_cut_at_the_deadline_not_kept_alive_by_each_byte() -> None:
