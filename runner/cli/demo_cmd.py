@@ -45,18 +45,18 @@ def config_from_options(**kwargs: Any) -> RunConfig:
     help="Live progress line (default: when stderr is a terminal).",
 )
 @click.option(
-    "--supervised-resume-from",
-    "resume_from",
-    envvar="RUNNER_RESUME_FROM",
+    "--supervised-attempt",
+    "attempt",
+    envvar="RUNNER_ATTEMPT",
     default=None,
     hidden=True,
-    help="Set by `runner run` for its trainer (RUNNER_RESUME_FROM, empty when none).",
+    help="Set by `runner run` for its trainer (RUNNER_ATTEMPT: 1, 2, ...).",
 )
 def demo(
     batch_size: int,
     progress: bool | None,
     threads: int | None,
-    resume_from: str | None,
+    attempt: str | None,
     **kwargs: Any,
 ) -> None:
     """Train a small GPT-style character model; re-running the same command resumes.
@@ -71,14 +71,15 @@ def demo(
     with runlock.acquire(config.run_dir, command="runner demo"):
         from runner.demo.job import run_demo
 
-        # under `runner run` (RUNNER_RESUME_FROM set, even empty) the supervisor resolved
-        # this run dir first and logged what it refused: not logged a second time
+        # Under `runner run` the supervisor resolved this run dir first and logged what it
+        # refused: not logged a second time. Told by RUNNER_ATTEMPT, never empty there (click
+        # takes an empty variable for unset: RUNNER_RESUME_FROM is empty when none stands).
         code = run_demo(
             config,
             batch_size=batch_size,
             progress=progress,
             threads=threads,
-            supervised=resume_from is not None,
+            supervised=bool(attempt),
         )
     sys.exit(code)
 
