@@ -109,6 +109,14 @@ class TrainerIntegrityError(IntegrityError):
     too."""
 
 
+class StartupInterrupted(RunnerError):
+    """A stop request arrived while start-up still waited on the store (resume resolution, a
+    download): the work was given up, nothing was trained, the checkpoints stand as they
+    were. Exit 75: retrying elsewhere loses nothing."""
+
+    exit_code = EXIT_PREEMPTED
+
+
 class StorageTimeoutError(StorageTransientError):
     """A store call gave up: the store kept failing (or never answered) for its whole time
     budget (`--store-timeout`), or the caller's deadline came first. Still transient: a later

@@ -19,9 +19,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from runner.errors import EXIT_PREEMPTED, RunnerError
+from runner.errors import StartupInterrupted
 from runner.exiting import note_abandoned_work
 from runner.preemption.stop import StopController
+
+__all__ = ["StartupInterrupted", "check_not_abandoned", "publishing", "run_interruptible"]
 
 T = TypeVar("T")
 
@@ -30,12 +32,6 @@ POLL_S = 0.05
 PUBLISH_WAIT_S = 5.0
 
 _worker = threading.local()
-
-
-class StartupInterrupted(RunnerError):
-    """A stop request arrived while start-up still waited on the store; nothing was trained."""
-
-    exit_code = EXIT_PREEMPTED
 
 
 class AbandonGate:
