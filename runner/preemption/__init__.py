@@ -1,5 +1,5 @@
-"""Preemption: stop requests, signal handlers and cloud preemption notices."""
+"""Preemption: stop requests, signal handlers and cloud preemption notices.
 
-from runner.preemption.stop import StopController, StopRequest
-
-__all__ = ["StopController", "StopRequest"]
+Empty on purpose: `early` is imported while the process is still starting (runner/entry.py),
+before anything but `signal` and `time` may load.
+"""
