@@ -9,7 +9,6 @@ import socket
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from urllib.parse import urlparse
 
 from runner.errors import ConfigError
 
@@ -132,15 +131,11 @@ def _number(value: float) -> str:
 def _check_endpoint(url: str) -> None:
     """Fail at start-up, not in the poller thread where a bad URL would only switch notices
     off with a log line."""
-    parsed = urlparse(url)
-    try:
-        port_ok = parsed.port is None or parsed.port > 0
-    except ValueError:  # not a number, or out of range
-        port_ok = False
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
-        from runner.storage.redact import redact_text
+    from runner.storage.endpoint import usable_http_url  # light: no boto3
+    from runner.storage.redact import redact_url
 
+    if not usable_http_url(url):
         raise ConfigError(
-            f"--notice-endpoint {redact_text(url)!r}: give the metadata server's base URL, "
+            f"--notice-endpoint {redact_url(url)!r}: give the metadata server's base URL, "
             "http://HOST[:PORT] or https://HOST[:PORT] (e.g. http://169.254.169.254)"
         )

@@ -56,7 +56,7 @@ from runner.errors import (
 from runner.storage.base import ObjectInfo, ProgressCallback, check_download, check_key
 from runner.storage.endpoint import check_endpoint, endpoint_error
 from runner.storage.limits import DEFAULT_STORE_TIMEOUT_S
-from runner.storage.redact import has_userinfo, redact_text, strip_userinfo
+from runner.storage.redact import has_userinfo, redact_url, strip_userinfo
 from runner.storage.retry import RetryPolicy
 from runner.storage.s3_errors import classify, client_config_error
 
@@ -215,7 +215,7 @@ class S3Storage:
             log.warning(
                 "the S3 endpoint %s carries a user:password, which S3 never uses (requests are "
                 "signed with the AWS keys): connecting to %s without it",
-                redact_text(endpoint),
+                redact_url(endpoint),
                 endpoint_url,
             )
         if not _is_aws_endpoint(endpoint):
