@@ -17,6 +17,8 @@ from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import ClassVar, Protocol
 
+from runner.storage.redact import redact_text, strip_userinfo
+
 METADATA_BASE = "http://169.254.169.254"
 # metadata.google.internal resolves to the same address; using it avoids a DNS lookup that
 # can hang off-cloud.
@@ -65,7 +67,8 @@ def _request(
         body = exc.read() if exc.fp is not None else b""
         return exc.code, dict(exc.headers.items()) if exc.headers else {}, body
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise MetadataUnavailable(f"{url}: {exc}") from exc
+        # logged by the poller: a user:password in --notice-endpoint must not show
+        raise MetadataUnavailable(redact_text(f"{url}: {exc}")) from exc
 
 
 def _parse_iso8601(text: str) -> float:
@@ -82,7 +85,9 @@ class _MetadataClient:
         timeout: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.base = base.rstrip("/")
+        # urllib never sends a URL's user:password (it would take it for part of the host
+        # name) and metadata servers want none: dropped, so it is never echoed either
+        self.base = strip_userinfo(base).rstrip("/")
         self.timeout = timeout
         self._clock = clock
 

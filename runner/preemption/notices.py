@@ -17,6 +17,7 @@ from typing import Protocol
 from runner.config import RunConfig
 from runner.preemption.clouds import MetadataUnavailable, Notice, NoticeSource, make_source
 from runner.preemption.stop import StopController
+from runner.storage.redact import has_userinfo, redact_url, strip_userinfo
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,13 @@ def start_notice_poller(
     if config.notices == "off":
         return None
     detect = config.notices == "auto"
+    if config.notice_endpoint is not None and has_userinfo(config.notice_endpoint):
+        log.warning(
+            "--notice-endpoint %s carries a user:password, which metadata requests never "
+            "send: polling %s without it",
+            redact_url(config.notice_endpoint),
+            strip_userinfo(config.notice_endpoint),
+        )
     names = AUTO_ORDER if detect else (config.notices,)
     timeout = min(REQUEST_TIMEOUT_SECONDS, max(config.notice_poll_seconds, 0.1))
     sources = [
