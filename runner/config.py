@@ -93,7 +93,10 @@ class RunConfig:
             from runner.storage import mirror_uri  # light: boto3 loads only for s3://
 
             self.mirror = mirror_uri(self.mirror)
-            if self.mirror == mirror_uri(self.run_dir):
+            # resolved, not compared as text: a symlink to the run dir or `..` in a file://
+            # URI names the same directory, which cannot be its own copy
+            local = self.mirror.removeprefix("file://")
+            if local != self.mirror and os.path.realpath(local) == os.path.realpath(self.run_dir):
                 raise ConfigError(
                     f"--mirror {self.mirror} is the run dir itself: give another directory"
                 )

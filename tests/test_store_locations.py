@@ -40,6 +40,38 @@ def test_the_run_dir_is_not_its_own_mirror(tmp_path: Path) -> None:
         RunConfig(run_dir=tmp_path / "run", mirror=str(tmp_path / "run"))
 
 
+@pytest.mark.parametrize("form", ["symlink", "file-uri-dotdot", "relative"])
+def test_another_name_of_the_run_dir_is_not_its_mirror_either(
+    form: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    mirror = {
+        "symlink": str(tmp_path / "link"),
+        "file-uri-dotdot": f"file://{tmp_path}/other/../run",
+        "relative": "./link/",
+    }[form]
+    with pytest.raises(ConfigError, match="is the run dir itself"):
+        RunConfig(run_dir=Path("run"), mirror=mirror)
+
+
+def test_demo_refuses_a_symlink_to_its_run_dir_as_mirror(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    args = ["--run-dir", tmp_path / "run", "--mirror", tmp_path / "link", "--steps", "2"]
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "demo", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"--mirror file://{tmp_path}/link is the run dir itself" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_demo_mirrors_to_a_relative_path_and_ls_reads_it_as_a_path(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNNER_")}
 
