@@ -76,6 +76,8 @@ ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
 ENV_RESUME_FORMAT = "RUNNER_RESUME_FORMAT"
 ENV_RESUME_STEP = "RUNNER_RESUME_STEP"
 ENV_ATTEMPT = "RUNNER_ATTEMPT"
+# How often exited orphans of a running trainer are reaped (each time a scan of /proc).
+REAP_INTERVAL_SECONDS = 1.0
 # Attempts whose output the give-up report shows (the last ones), each with its last lines.
 ATTEMPTS_SHOWN = 10
 SUPERVISOR_ONLY_ENV = frozenset(
@@ -304,7 +306,7 @@ class Supervisor:
             child.terminate(grace_seconds=min(10.0, self.config.grace_seconds))
             child.sweep(grace_seconds=1.0)
             raise
-        code = child.finish(sweep_grace=self._sweep_grace())
+        code = child.finish(deadline=self.controller.deadline)  # a stop's, else None
         # Before judging its files or starting another attempt: nothing it started may still
         # write into the checkpoint directory.
         self._sweep(child)
@@ -326,11 +328,12 @@ class Supervisor:
         raise ChildCrashed(code)
 
     def _sweep_grace(self) -> float:
-        """SIGTERM to SIGKILL for leftovers: short, and shorter still near a stop deadline."""
+        """SIGTERM to SIGKILL for leftovers: short, shorter still near a stop deadline, and
+        none (SIGKILL at once) once it has passed."""
         left = self.controller.time_left()
         if left is None:
             return SWEEP_GRACE_SECONDS
-        return min(SWEEP_GRACE_SECONDS, max(0.2, left))
+        return min(SWEEP_GRACE_SECONDS, max(0.0, left))
 
     def _sweep(self, child: ChildProcess) -> None:
         child.sweep(grace_seconds=self._sweep_grace())
@@ -358,6 +361,7 @@ class Supervisor:
         was killed at the end of the grace period."""
         stop_sent_at: float | None = None
         killed = False
+        next_reap = time.monotonic() + REAP_INTERVAL_SECONDS
         while child.poll() is None:
             if self.controller.stop_requested and stop_sent_at is None:
                 stop_sent_at = self._forward_stop(child)
@@ -374,6 +378,11 @@ class Supervisor:
                 killed = True
             self._adopt(settled=False)
             self._report_step()
+            if time.monotonic() >= next_reap:
+                # exited orphans re-parented to us (a trainer running `cmd &`) are not left
+                # as zombies until the pod's pid limit
+                child.reap_orphans()
+                next_reap = time.monotonic() + REAP_INTERVAL_SECONDS
             wait = self.scan_interval
             if time_left is not None and not killed:
                 wait = max(0.0, min(wait, time_left))

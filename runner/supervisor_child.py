@@ -18,6 +18,10 @@ from runner.errors import ConfigError
 from runner.supervisor_reap import SWEEP_GRACE_SECONDS, Descendants
 
 DEFAULT_TAIL_LINES = 30
+DRAIN_SECONDS = 2.0
+"""How long the trainer's output may keep flowing after it exited, before what holds its
+pipes open is swept."""
+_LAST_DRAIN_SECONDS = 0.2  # after the sweep's SIGKILL, past a deadline
 
 
 class OutputTail:
@@ -89,7 +93,7 @@ class ChildProcess:
         except (FileNotFoundError, PermissionError) as exc:
             raise ConfigError(f"cannot start the trainer {command[0]!r}: {exc}") from exc
         self.pid = self._proc.pid
-        self.descendants.group = self.pid  # its own session: group id = its pid
+        self.descendants.set_group(self.pid)  # its own session: group id = its pid
         self.started_at = time.monotonic()
         assert self._proc.stdout is not None and self._proc.stderr is not None  # PIPE above
         # One thread reads both pipes: the tail gets stdout and stderr lines in the order
@@ -123,14 +127,25 @@ class ChildProcess:
             self.signal_group(signal.SIGKILL)
         return self.finish()
 
-    def finish(self, *, drain_seconds: float = 2.0, sweep_grace: float | None = None) -> int:
+    def reap_orphans(self) -> None:
+        """Collect the exited processes of this attempt that were re-parented to us, while
+        the trainer runs (never the trainer: subprocess owns its exit status)."""
+        self.descendants.reap(keep=self.pid if self._proc.returncode is None else None)
+
+    def finish(self, *, drain_seconds: float = DRAIN_SECONDS, deadline: float | None = None) -> int:
         """Wait for the trainer to exit, then for its output to drain. Processes it left
-        running that keep the pipes open are swept after `drain_seconds` (see `sweep`)."""
+        running that keep the pipes open are swept after `drain_seconds` (see `sweep`).
+
+        `deadline` (monotonic, a stop's): the drain never waits past it, and once it has
+        passed those processes get SIGKILL at once: a supervisor that outlives its grace
+        period is SIGKILLed itself (exit 137) and reports nothing."""
         code = self._proc.wait()
-        self._pump.join(drain_seconds)
+        self._pump.join(_until(deadline, drain_seconds))
         if self._pump.is_alive():
-            self.sweep(grace_seconds=sweep_grace)
-            self._pump.join(drain_seconds)
+            grace = _until(deadline, SWEEP_GRACE_SECONDS)
+            self.sweep(grace_seconds=grace)
+            # after SIGKILL the pipes close at once; past the deadline, wait only briefly
+            self._pump.join(max(_until(deadline, drain_seconds), _LAST_DRAIN_SECONDS))
         return code
 
     def sweep(self, *, grace_seconds: float | None = None) -> list[int]:
@@ -141,6 +156,13 @@ class ChildProcess:
         swept = self.descendants.sweep(grace_seconds=grace, keep=keep)
         self.swept.extend(pid for pid in swept if pid not in self.swept)
         return swept
+
+
+def _until(deadline: float | None, seconds: float) -> float:
+    """`seconds`, or less when `deadline` (monotonic) comes first; 0 once it has passed."""
+    if deadline is None:
+        return seconds
+    return max(0.0, min(seconds, deadline - time.monotonic()))
 
 
 def describe_exit(code: int) -> str:

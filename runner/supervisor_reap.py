@@ -9,10 +9,21 @@ find them all, whatever they did with groups and sessions:
 - `Descendants.sweep` walks that tree (the ppid field of /proc/PID/stat), sends SIGTERM, then
   SIGKILL to what is left after a short grace, and reaps the ones that are our children.
 
-Never by name and never a process that was already our child before the trainer started (a
-test harness embedding the supervisor has its own). Not a cgroup: creating one needs a
+Never by name, never a process that was already our child before the trainer started (a
+test harness embedding the supervisor has its own), and never a process in the supervisor's
+own process group (`os.getpgrp()`): what this process starts during an attempt (a botocore
+`credential_process` run for the mirror thread, the host program's own children) stays in our
+group, and no process of the trainer's can be there: the trainer starts in a new session, and
+a process can join only a group of its own session (setpgid(2)), so neither it nor anything
+below it can enter ours. (A host program that starts its own children with a new session or
+group during an attempt must take them as the trainer's.) Not a cgroup: creating one needs a
 delegated cgroup v2 subtree (root, or systemd delegation), which an unprivileged container or
 a Kubernetes pod does not have; the subreaper works without privileges.
+
+While the trainer runs, its exited orphans are reaped as they come (`reap`, called from the
+supervisor's loop): a trainer that runs `os.system("cmd &")` again and again would otherwise
+pile zombies onto this process until the pod's pid limit. Never the trainer itself there:
+subprocess must collect its exit status.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +70,15 @@ def become_subreaper() -> bool:
     return True
 
 
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(ppid, state, process group) of `pid`, None once it is gone."""
+class _Stat(NamedTuple):
+    ppid: int
+    state: str
+    pgrp: int
+    start: int  # clock ticks after boot: tells a reused pid from the process that had it
+
+
+def _stat(pid: int) -> _Stat | None:
+    """Parent, state, process group and start time of `pid`, None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -69,57 +88,81 @@ def _stat(pid: int) -> tuple[int, str, int] | None:
     # last ')'
     fields = raw[raw.rfind(b")") + 2 :].split()
     try:
-        return int(fields[1]), fields[0].decode(), int(fields[2])
+        return _Stat(int(fields[1]), fields[0].decode(), int(fields[2]), int(fields[19]))
     except (IndexError, ValueError):
         return None
 
 
-def _process_table() -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """parent -> children, and process group -> members, of every visible process."""
-    parents: dict[int, list[int]] = {}
-    groups: dict[int, list[int]] = {}
+def _process_table() -> dict[int, _Stat]:
+    """Every visible process (zombies included)."""
+    table: dict[int, _Stat] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return parents, groups
+        return table
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        info = _stat(int(entry))
-        if info is not None:
-            parents.setdefault(info[0], []).append(int(entry))
-            groups.setdefault(info[2], []).append(int(entry))
-    return parents, groups
+        if entry.isdigit() and (info := _stat(int(entry))) is not None:
+            table[int(entry)] = info
+    return table
 
 
 def _alive(pid: int) -> bool:
     info = _stat(pid)
-    return info is not None and info[1] not in ("Z", "X")
+    return info is not None and info.state not in ("Z", "X")
 
 
 class Descendants:
     """The processes that belong to one trainer attempt: every descendant of this process
-    except those already our children when the attempt began (and what runs below them),
-    plus every member of the trainer's process group (`group`, once known) and what runs
-    below them: an orphan of that group is re-parented to init when this process is not a
-    subreaper (the supervisor embedded in another program), yet keeps its group."""
+    except those already our children when the attempt began and those in our own process
+    group (and what runs below them), plus every member of the trainer's process group
+    (`set_group`) and what runs below them: an orphan of that group is re-parented to init
+    when this process is not a subreaper (the supervisor embedded in another program), yet
+    keeps its group.
+
+    The group is matched only while it exists: once seen empty (its leader reaped, no member
+    left) its id is free for the next process that starts a session, an unrelated one, so it
+    is dropped for good; and a process holding the leader's pid with another start time is
+    that unrelated leader (the group emptied and was reused between two looks)."""
 
     def __init__(self) -> None:
         self.me = os.getpid()
-        self.foreign = frozenset(_process_table()[0].get(self.me, []))
+        self.own_group = os.getpgrp()
+        table = _process_table()
+        self.foreign = frozenset(pid for pid, info in table.items() if info.ppid == self.me)
         self.group: int | None = None
+        self._group_start: int | None = None
+
+    def set_group(self, leader: int) -> None:
+        """Match the members of `leader`'s process group too (the trainer, just started in a
+        session of its own: group id = its pid)."""
+        info = _stat(leader)
+        self.group = leader
+        self._group_start = info.start if info is not None else None
 
     def pids(self) -> list[int]:
         """Processes of this attempt, zombies included, parents before their children."""
-        children, groups = _process_table()
-        found: list[int] = []
-        todo = [pid for pid in children.get(self.me, []) if pid not in self.foreign]
+        table = _process_table()
+        children: dict[int, list[int]] = {}
+        for pid, info in table.items():
+            children.setdefault(info.ppid, []).append(pid)
+        todo = list(children.get(self.me, []))
         if self.group is not None:
-            todo += [pid for pid in groups.get(self.group, []) if pid not in self.foreign]
+            members = [pid for pid, info in table.items() if info.pgrp == self.group]
+            leader = table.get(self.group)
+            if not members or (leader is not None and leader.start != self._group_start):
+                self.group = None  # gone: its id may already name someone else's group
+            else:
+                todo += members
+        found: list[int] = []
+        seen: set[int] = set()
         while todo:
             pid = todo.pop(0)
-            if pid in found:
+            entry = table.get(pid)
+            if pid in seen or entry is None:
                 continue
+            seen.add(pid)
+            if pid in self.foreign or entry.pgrp == self.own_group:
+                continue  # not the trainer's, and neither is what runs below it
             found.append(pid)
             todo.extend(children.get(pid, []))
         return found
@@ -129,10 +172,11 @@ class Descendants:
     ) -> list[int]:
         """SIGTERM every live descendant, SIGKILL those alive after `grace_seconds`, reap the
         ones that are our children. `keep`: a pid this process must not reap (the trainer,
-        while subprocess still owns its exit status). Returns the pids that were signalled."""
+        while subprocess still owns its exit status). `grace_seconds` 0: SIGKILL at once (a
+        stop deadline has passed). Returns the pids that were signalled."""
         live = self._live(keep)
         signalled = list(live)
-        if live:
+        if live and grace_seconds > 0:
             self._signal(live, signal.SIGTERM)
             self._wait_gone(live, grace_seconds, keep=keep)
         for _ in range(5):  # more than one round: a process may fork while being killed
@@ -164,7 +208,7 @@ class Descendants:
             if pid == keep:
                 continue
             info = _stat(pid)
-            if info is None or info[0] != self.me or info[1] not in ("Z", "X"):
+            if info is None or info.ppid != self.me or info.state not in ("Z", "X"):
                 continue
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)

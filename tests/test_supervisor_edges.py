@@ -4,11 +4,13 @@ started outlives the supervisor, and the give-up report keeps attempts apart."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,3 +268,146 @@ def test_sweep_spares_processes_that_were_already_the_supervisors_children(
         controller.close()
         bystander.kill()
         bystander.wait()
+
+
+def _zombie_children(pid: int) -> list[int]:
+    """Children of `pid` (any of its threads) that have exited and not been reaped."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    zombies = []
+    for child in children:
+        with contextlib.suppress(OSError):
+            state = Path(f"/proc/{child}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+            if state == b"Z":
+                zombies.append(child)
+    return zombies
+
+
+def test_orphans_of_a_running_trainer_are_reaped_while_it_runs(
+    tmp_path: Path, started: list[Supervised]
+) -> None:
+    """`os.system("true &")` 20 times: each `true` is re-parented to the runner (a child
+    subreaper); none stays a zombie while the trainer keeps running."""
+    s = _run(started, tmp_path / "run", "--", *TRAINER, "orphans", "20")
+    s.expect("^ready$")
+    trainer = int(re.search(r"started trainer pid (\d+)", s.err)[1])  # type: ignore[index]
+    end = time.monotonic() + 10
+    while zombies := _zombie_children(s.proc.pid):
+        assert time.monotonic() < end, f"zombies of the runner: {zombies}"
+        time.sleep(0.1)
+    time.sleep(1.5)  # a few more reaping rounds: still none, and the trainer was spared
+    assert _zombie_children(s.proc.pid) == []
+    assert _alive(trainer)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait(timeout=30) == 1, s.err  # killed by the forwarded SIGTERM, nothing committed
+    assert "killed by SIGTERM" in s.err, s.err
+
+
+def test_embedded_supervisor_spares_a_child_its_own_process_starts_during_the_attempt(
+    tmp_path: Path,
+) -> None:
+    """A child the host process starts while the trainer runs (a credential_process of the
+    mirror thread, say) is in the host's process group: not swept with the trainer's."""
+    from runner.config import RunConfig
+    from runner.preemption.stop import StopController
+    from runner.supervisor import Supervisor
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    host_children: list[subprocess.Popen[bytes]] = []
+
+    def host() -> None:
+        end = time.monotonic() + 30
+        while not (gate / "ready").exists() and time.monotonic() < end:
+            time.sleep(0.02)
+        host_children.append(subprocess.Popen(["sleep", "600"]))
+        (gate / "go").touch()
+
+    thread = threading.Thread(target=host, daemon=True)
+    controller = StopController()
+    try:
+        with open(tmp_path / "child.log", "wb") as log:
+            sup = Supervisor(
+                [*TRAINER, "wait-go", str(gate)],
+                config=RunConfig(run_dir=tmp_path / "run", max_restarts=0),
+                controller=controller,
+                scan_interval=0.05,
+                stdout=log,
+                stderr=log,
+            )
+            thread.start()
+            assert sup.run() == 0
+        thread.join(5)
+        (bystander,) = host_children
+        assert bystander.poll() is None  # neither signalled nor reaped
+        assert os.getpgid(bystander.pid) == os.getpgrp()
+    finally:
+        controller.close()
+        for child in host_children:
+            child.kill()
+            child.wait()
+
+
+def test_stop_with_a_stubborn_trainer_and_a_helper_on_its_pipes_ends_within_the_grace(
+    tmp_path: Path, started: list[Supervised], pid_dir: Path
+) -> None:
+    """After the SIGKILL at the deadline, the helper that keeps the output pipes open is
+    killed at once, not after a fixed drain and a second grace: `runner run` exits within
+    --grace-seconds + 1.5 s of the SIGTERM (a pod is SIGKILLed soon after its grace)."""
+    grace = 2.0
+    s = _run(
+        started, tmp_path / "run", "--grace-seconds", str(grace), "--",
+        *TRAINER, "stubborn-pipes", str(pid_dir),
+    )  # fmt: skip
+    s.expect("^ready$")
+    (helper,) = _pids(pid_dir)
+    sent = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    code = s.proc.wait(timeout=30)
+    took = time.monotonic() - sent
+    assert s.wait() == code == 1, s.err  # killed at the deadline, nothing committed
+    assert took < grace + 1.5, (took, s.err)
+    assert not _alive(helper)
+    assert "killed at the end of the grace period" in s.err
+    assert f"terminated pids {helper}" in s.err
+
+
+def test_fake_reused_or_emptied_trainer_group_is_not_matched(pid_dir: Path) -> None:
+    """Fake: the trainer's group id taken by an unrelated session leader (a start time other
+    than the recorded leader's), or a group seen empty, stops being matched for good."""
+    from runner.supervisor_reap import Descendants
+
+    # a session (and group) leader that is not our child: forked, then setsid
+    leave = (
+        "import os, sys, time\n"
+        "if os.fork() > 0: os._exit(0)\n"
+        "os.setsid()\n"
+        "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid()))\n"
+        "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", leave, str(pid_dir / "pids")])
+    launcher.wait(10)
+    end = time.monotonic() + 10
+    while not _pids(pid_dir):
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    (leader,) = _pids(pid_dir)  # leads a session and group of its own; not our child
+    assert os.getpgid(leader) == leader and os.getppid() != leader
+
+    matched = Descendants()
+    matched.set_group(leader)
+    assert leader in matched.pids() and matched.group == leader  # the real leader
+
+    reused = Descendants()
+    reused.set_group(leader)
+    reused._group_start = -1  # as if recorded from an earlier process with that pid
+    assert leader not in reused.pids() and reused.group is None
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    empty = Descendants()
+    empty.set_group(gone.pid)  # no process left in that group
+    assert empty.pids() == [] and empty.group is None

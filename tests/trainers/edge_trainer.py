@@ -18,6 +18,10 @@ Usage: edge_trainer.py MODE [ARG]
   crash-leaving DIR attempt 1: as leave-setsid, then exit 1 without waiting. Later attempts:
                     print whether attempt 1's helper is still alive, exit 0
   interleave        print "out A$n", "err B$n" (stderr), "out C$n", paused between, exit 1
+  orphans N         run `os.system("true &")` N times (each `true` is orphaned: re-parented
+                    to the supervisor), print "ready", sleep (SIGTERM ends it)
+  wait-go DIR       create DIR/ready, wait for DIR/go, exit 0
+  stubborn-pipes DIR  as leave-pipes, then ignore SIGTERM, print "ready" and sleep
   helper PIDFILE    (internal) ignore SIGTERM, append our pid to PIDFILE, sleep
   daemon PIDFILE    (internal) setsid, fork, the parent exits; the child runs `helper`
 """
@@ -148,6 +152,22 @@ def main() -> int:
         pids = [int(p) for p in pidfile.read_text().split()]
         say(f"attempt {os.environ.get('RUNNER_ATTEMPT')}: leftover alive: "
             f"{'yes' if any(alive(p) for p in pids) else 'no'}")  # fmt: skip
+        return 0
+    if mode == "orphans":
+        for _ in range(int(arg)):
+            os.system("true &")  # the shell exits at once, leaving `true` to the subreaper
+        say("ready")
+        time.sleep(600)
+        return 0
+    if mode == "wait-go":
+        (Path(arg) / "ready").touch()
+        wait_for(Path(arg) / "go", timeout=60)
+        return 0
+    if mode == "stubborn-pipes":
+        start_helper(Path(arg) / "pids", detach=True, keep_pipes=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        say("ready")
+        time.sleep(600)
         return 0
     if mode == "interleave":
         n = os.environ.get("RUNNER_ATTEMPT")
