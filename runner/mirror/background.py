@@ -31,6 +31,7 @@ from runner.exiting import note_abandoned_work
 from runner.mirror.resume import LoadFn, ResumeChoice, SkipCallback, choose_resume
 from runner.mirror.upload import remote_manifest, upload_checkpoint
 from runner.storage.base import ProgressCallback, Storage
+from runner.storage.retry import store_deadline
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,10 @@ class Mirror:
 
         def work() -> None:
             try:
-                self._upload(ckpt)
+                # in this thread: the deadline is a context variable; no store call of the
+                # upload waits past it or starts a retry after it
+                with store_deadline(deadline):
+                    self._upload(ckpt)
                 outcome.append(True)  # durable now: retention below is not part of the deadline
                 self._prune(newest_ok=ckpt.step)
             except RunnerError:
