@@ -200,8 +200,8 @@ def test_fake_slow_500_store_ls_gives_up_within_the_store_timeout(
     line = the_error_line(result)
     assert "gave up after" in line and "store timeout 8 s" in line
     assert "server answered 500 InternalError" in line
-    # botocore's 3 tries of the first operation at least, each answered 1 s late
-    assert slow_500_store.requests >= 3
+    # botocore's 2 tries of the first request (all that fit in 8 s), each answered 1 s late
+    assert slow_500_store.requests >= 2
 
 
 def test_fake_store_that_lists_but_fails_every_read_costs_ls_one_timeout_not_one_each() -> None:
@@ -265,6 +265,33 @@ def test_fake_silent_store_every_store_command_gives_up_in_time(
     assert took <= 4 + START_MARGIN_S, took
     line = the_error_line(result)
     assert "gave up after" in line and "store timeout 4 s" in line
+
+
+@pytest.mark.parametrize(
+    "seconds", [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 9.0, 12.0, 60.0, 86400.0]
+)
+def test_one_request_fits_in_every_store_timeout(seconds: float) -> None:
+    """Even below the socket timeouts' floors (2 s connect, 1 s read) x 3 botocore tries."""
+    settings = TransferSettings.for_store_timeout(seconds)
+    assert settings.request_worst_s() <= seconds
+    # as many botocore tries as fit: 3 from 9 s on (2 x 3 + 1 + 2 s of backoff)
+    assert settings.request_attempts == (3 if seconds >= 9 else 2 if seconds >= 5 else 1)
+
+
+@pytest.mark.parametrize("seconds", [1.0, 3.0, 6.0])
+def test_fake_silent_store_small_store_timeout_holds(
+    seconds: float, silent_store: FakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, 3 botocore tries at the socket floors made any store timeout up to 6 s last
+    about 4.5-9 s."""
+    for name, value in env_for(silent_store.endpoint).items():
+        monkeypatch.setenv(name, value)
+    store = S3Storage("bucket", "run", store_timeout_s=seconds)
+    started = time.monotonic()
+    with pytest.raises(StorageTimeoutError, match=f"store timeout {seconds:g} s"):
+        store.head("checkpoints/step_000001/manifest.json")
+    took = time.monotonic() - started
+    assert took <= seconds + 1.0, took  # in-process: no start-up on top
 
 
 # -- the retry loop's limits (in-process, a fake clock) -------------------------------------

@@ -163,10 +163,16 @@ restart_backoff = _opt(
 )
 
 
+# The callbacks of `runner demo` and `runner run` (added by run_options): a training run
+# mirrors for hours, so a store call that gave up must not fail its later uploads; every
+# other command stops at its first store call that gave up.
+_TRAINING_COMMANDS: set[Callable[..., Any]] = set()
+
+
 def _apply_store_timeout(ctx: click.Context, param: click.Parameter, value: float) -> float:
     from runner.storage import set_store_timeout  # no boto3: that loads with s3:// only
 
-    set_store_timeout(value)
+    set_store_timeout(value, give_up_once=ctx.command.callback not in _TRAINING_COMMANDS)
     ctx.call_on_close(lambda: set_store_timeout(None))  # embedding, tests: no leftover
     return value
 
@@ -223,7 +229,9 @@ def run_options(func: F) -> F:
             notice_endpoint,
             seed,
             fresh_start,
+            store_timeout,
         ]
     ):
         func = decorator(func)
+    _TRAINING_COMMANDS.add(func)
     return func

@@ -25,12 +25,17 @@ __all__ = [
 
 # Set by the CLI's --store-timeout for the command being run; None: the documented default.
 _store_timeout_s: float | None = None
+_give_up_once = False
 
 
-def set_store_timeout(seconds: float | None) -> None:
-    """The store timeout of every location opened from now on (None: the default)."""
-    global _store_timeout_s
+def set_store_timeout(seconds: float | None, *, give_up_once: bool = True) -> None:
+    """The store timeout of every location opened from now on (None: the default, and no
+    command). give_up_once: the command stops at its first store call that gave up (a
+    one-shot command); a training run's mirror passes False and keeps trying later
+    checkpoints."""
+    global _store_timeout_s, _give_up_once
     _store_timeout_s = seconds
+    _give_up_once = give_up_once and seconds is not None
 
 
 def store_timeout() -> float:
@@ -53,10 +58,7 @@ def open_storage(location: str | Path) -> Storage:
     if text.startswith("s3://"):
         from runner.storage.s3 import S3Storage  # boto3 is imported only when needed
 
-        # a command that set --store-timeout stops at the first call that gave up
-        return S3Storage.from_uri(
-            text, store_timeout_s=store_timeout(), give_up_once=_store_timeout_s is not None
-        )
+        return S3Storage.from_uri(text, store_timeout_s=store_timeout(), give_up_once=_give_up_once)
     if text.startswith("file://"):
         parsed = urlparse(text)
         if parsed.netloc not in ("", "localhost"):

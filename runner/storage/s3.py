@@ -94,12 +94,20 @@ class TransferSettings:
     def for_store_timeout(cls, seconds: float) -> TransferSettings:
         """Socket timeouts sized so that one request, botocore's own retries included, takes
         about half the store timeout at most against a store that never answers; never
-        above 10 s to connect and 20 s per read."""
+        above 10 s to connect and 20 s per read, nor below 2 s to connect and 1 s per read
+        unless the store timeout itself is shorter. Below 9 s the socket floors leave no
+        room for 3 botocore tries: then as many as fit (2, else 1), so that one request
+        (`request_worst_s`) still ends within the store timeout."""
         share = seconds / (2 * 3)
-        return cls(
-            connect_timeout_s=min(10.0, max(2.0, share)),
-            read_timeout_s=min(20.0, max(1.0, share)),
-        )
+        connect = min(10.0, max(min(2.0, seconds), share))
+        read = min(20.0, max(min(1.0, seconds), share))
+        for attempts in (3, 2, 1):
+            settings = cls(
+                connect_timeout_s=connect, read_timeout_s=read, request_attempts=attempts
+            )
+            if settings.request_worst_s() <= seconds:
+                break
+        return settings
 
     def request_worst_s(self) -> float:
         """Longest one request can take against a store that accepts and never answers (or
