@@ -411,6 +411,30 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# A refused request may leave unread bytes (the rest of an oversized head): closing on them
+# makes the kernel send a reset, which can destroy the reply before the client reads it. So
+# the reply is followed by a FIN and a short, bounded drain (what web servers call a lingering
+# close).
+DRAIN_MAX_BYTES = 256 * 1024
+DRAIN_MAX_S = 1.0
+
+
+def _drain_unread(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        end = time.monotonic() + DRAIN_MAX_S
+        left = DRAIN_MAX_BYTES
+        while left > 0:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                break
+            sock.settimeout(remaining)
+            chunk = sock.recv(min(left, 65536))
+            if not chunk:
+                break
+            left -= len(chunk)
+
+
 class _HeadReader:
     """The handler's rfile, refusing a request head over `limit` bytes: http.server alone
     would hold up to 100 header lines of 64 KiB each per connection."""
@@ -460,6 +484,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.requestline = self.request_version = self.command = ""
             self.close_connection = True
             self.send_error(http.HTTPStatus.REQUEST_URI_TOO_LONG)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        super().send_error(code, message, explain)
+        self._refused = True
+
+    def finish(self) -> None:
+        super().finish()  # flushes the reply
+        if getattr(self, "_refused", False):
+            _drain_unread(self.connection)
 
     def parse_request(self) -> bool:
         ok = super().parse_request()

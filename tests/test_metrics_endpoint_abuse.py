@@ -361,6 +361,25 @@ def test_an_overlong_request_line_gets_414_and_one_warning_line(
     assert "Traceback" not in caplog.text
 
 
+def test_a_refused_oversized_head_still_reaches_a_client_that_is_still_sending() -> None:
+    # The server answers 431 after 16 KiB while the client is still sending the rest: closing
+    # on the unread bytes would reset the connection and destroy the reply (seen under load).
+    with serve_metrics(RunnerMetrics(), host="127.0.0.1", port=None) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        try:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Long: " + b"b" * 20_000)
+            time.sleep(0.3)  # the server has answered and finished with the request by now
+            sock.sendall(b"b" * 50_000 + b"\r\n\r\n")
+            time.sleep(0.1)
+            sock.shutdown(socket.SHUT_WR)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        finally:
+            sock.close()
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:80]
+
+
 def test_a_trickling_request_is_cut_at_the_deadline_not_kept_alive_by_each_byte() -> None:
     # Slowloris: one byte every 0.2 s never trips a per-recv timeout; the deadline covers the
     # whole request head.
