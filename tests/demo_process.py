@@ -72,6 +72,8 @@ def wait_for_step(
             return max(steps)
         if proc.poll() is not None:
             output = proc.stdout.read() if proc.stdout else ""
+            if proc.stderr is not None:  # kept apart by the caller: show it too
+                output += proc.stderr.read()
             raise AssertionError(f"demo exited {proc.returncode} before step {step}: {output}")
         time.sleep(0.01)
     raise AssertionError(f"demo did not reach step {step} in {timeout}s")
