@@ -5,7 +5,6 @@ Every case runs the real `runner` as a subprocess with a clean AWS environment."
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.aws_env import isolated_aws_env
 from tests.fixtures.s3 import SeaweedS3
 from tests.test_mirror import make_checkpoint
 
@@ -23,18 +23,7 @@ CANARY_PASSWORDS = [CANARY, f"p@{CANARY}", f"se cret {CANARY}", f'pa"ss{CANARY}'
 
 
 def clean_env(**aws: str) -> dict[str, str]:
-    """This process's environment without AWS_* / RUNNER_* settings, plus a chain that
-    cannot reach anything real (no host config, no instance metadata) and `aws`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RUNNER_"))}
-    env.update(
-        AWS_ACCESS_KEY_ID="AKIDEXAMPLE",
-        AWS_SECRET_ACCESS_KEY="wJalrXUtnFEMI-example",
-        AWS_CONFIG_FILE="/dev/null",
-        AWS_SHARED_CREDENTIALS_FILE="/dev/null",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    env.update(aws)
-    return env
+    return isolated_aws_env(**aws)
 
 
 def runner(

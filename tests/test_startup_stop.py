@@ -4,7 +4,6 @@ and a download given up on is never published into the run dir."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from runner.startup import StartupInterrupted, run_interruptible
 from runner.storage.base import ProgressCallback
 from runner.storage.file import FileStorage
 from tests.demo_process import checkpoint_steps, demo_cmd, logged_steps
+from tests.fixtures.aws_env import isolated_aws_env
 from tests.fixtures.blackhole import FakeBlackholeServer
 from tests.fixtures.ckpt import SaveCheckpoint
 
@@ -30,17 +30,7 @@ GRACE_S = 5
 
 
 def _fake_store_env(endpoint: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    return {
-        **env,
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "fake-key",
-        "AWS_SECRET_ACCESS_KEY": "fake-secret",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": "/dev/null",
-        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
+    return isolated_aws_env(AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1")
 
 
 def _sigterm_during_startup(run_dir: Path, cmd: list[str] | None = None) -> tuple[int, str, float]:

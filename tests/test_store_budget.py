@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 from runner.errors import StorageTimeoutError, StorageTransientError
 from runner.storage.retry import RetryPolicy, store_deadline
 from runner.storage.s3 import MiB, S3Storage, TransferSettings
+from tests.fixtures.aws_env import isolated_aws_env
 from tests.fixtures.s3 import SeaweedS3
 from tests.test_mirror import make_checkpoint
 
@@ -137,18 +137,7 @@ def slow_500_store() -> Iterator[FakeStore]:
 
 
 def env_for(endpoint: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RUNNER_"))}
-    env.update(
-        AWS_ACCESS_KEY_ID="AKIDEXAMPLE",
-        AWS_SECRET_ACCESS_KEY="wJalrXUtnFEMI-example",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE="/dev/null",
-        AWS_SHARED_CREDENTIALS_FILE="/dev/null",
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_ENDPOINT_URL_S3=endpoint,
-    )
-    env.update(extra)
-    return env
+    return isolated_aws_env(AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL_S3=endpoint, **extra)
 
 
 def timed_runner(
