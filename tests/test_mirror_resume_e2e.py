@@ -43,10 +43,13 @@ def sigterm_midway(s3: SeaweedS3, run_dir: Path, location: str) -> tuple[int, st
     The wait matters: the mirror uploads only the newest checkpoint and does not hold the
     exit for one a newer checkpoint overtook, so without it the final checkpoint could be the
     only one in the bucket."""
-    proc = start_demo(run_dir, "--mirror", location, env=s3.env(), ckpt_every=10)
-    wait_for_step(proc, run_dir, random.randint(24, DEMO_STEPS - 15))
+    # the client first: making one takes a few hundred ms, in which an idle machine's demo
+    # runs to its last step before the SIGTERM
     bucket, prefix = location.removeprefix("s3://").split("/", 1)
     client = s3.client()
+    bucket_steps(client, bucket, prefix)
+    proc = start_demo(run_dir, "--mirror", location, env=s3.env(), ckpt_every=10)
+    wait_for_step(proc, run_dir, random.randint(24, DEMO_STEPS - 20))
     deadline = time.monotonic() + 60
     while True:
         now = max(logged_steps(run_dir))
