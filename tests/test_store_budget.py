@@ -224,7 +224,7 @@ def test_fake_store_failing_every_read_fast_costs_ls_one_retry_cycle() -> None:
     output = result.stdout + result.stderr
     assert "Traceback" not in output, output
     assert output.count("gave up after") == 1, output
-    assert "(all 5 tries failed)" in output, output
+    assert "(all 5 tries failed within the store timeout 60 s)" in output, output
     assert output.count("not tried, the store already failed this command") == 7, output
     # 5 operation tries x 3 botocore tries, list included: 16 requests, not 8 x 15
     assert store.requests == 1 + 5 * 3, store.requests

@@ -93,10 +93,15 @@ class RetryPolicy:
                 now = clock()
                 if attempt >= self.attempts:
                     # same type, and the message says why and for how long it was tried
+                    within = (
+                        ""
+                        if self.budget_s is None
+                        else f" within the store timeout {self.budget_s:g} s"
+                    )
                     raise type(exc)(
                         f"{what}: gave up after {now - started:.1f} s and {attempt} "
                         f"tr{'y' if attempt == 1 else 'ies'} (all {self.attempts} tries "
-                        f"failed); last error: {exc}"
+                        f"failed{within}); last error: {exc}"
                     ) from exc
                 wait = random.uniform(
                     0, min(self.max_wait_s, self.initial_wait_s * 2 ** (attempt - 1))
