@@ -163,35 +163,38 @@ restart_backoff = _opt(
 )
 
 
-# The callbacks of `runner demo` and `runner run` (added by run_options): a training run
-# mirrors for hours, so a store call that gave up must not fail its later uploads; every
-# other command stops at its first store call that gave up.
-_TRAINING_COMMANDS: set[Callable[..., Any]] = set()
+def _store_timeout_option(*, give_up_once: bool) -> Callable[[F], F]:
+    """`--store-timeout`; the value reaches every location the command opens.
+    give_up_once: the command stops at its first store call that gave up (a one-shot
+    command); a training run mirrors for hours, so its later uploads are still tried."""
+
+    def apply(ctx: click.Context, param: click.Parameter, value: float) -> float:
+        from runner.storage import set_store_timeout  # no boto3: that loads with s3:// only
+
+        set_store_timeout(value, give_up_once=give_up_once)
+        ctx.call_on_close(lambda: set_store_timeout(None))  # embedding, tests: no leftover
+        return value
+
+    return _opt(
+        "--store-timeout",
+        env="RUNNER_STORE_TIMEOUT",
+        type=click.FloatRange(min=MIN_STORE_TIMEOUT_S, max=MAX_STORE_TIMEOUT_S),
+        default=DEFAULT_STORE_TIMEOUT_S,
+        callback=apply,
+        expose_value=False,
+        is_eager=True,
+        metavar="SECONDS",
+        help=(
+            "Give up on a store call (S3) that keeps failing or never answers for this long; "
+            "a transfer that keeps moving bytes is never cut."
+        ),
+    )
 
 
-def _apply_store_timeout(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    from runner.storage import set_store_timeout  # no boto3: that loads with s3:// only
-
-    set_store_timeout(value, give_up_once=ctx.command.callback not in _TRAINING_COMMANDS)
-    ctx.call_on_close(lambda: set_store_timeout(None))  # embedding, tests: no leftover
-    return value
-
-
-store_timeout = _opt(
-    "--store-timeout",
-    env="RUNNER_STORE_TIMEOUT",
-    type=click.FloatRange(min=MIN_STORE_TIMEOUT_S, max=MAX_STORE_TIMEOUT_S),
-    default=DEFAULT_STORE_TIMEOUT_S,
-    callback=_apply_store_timeout,
-    expose_value=False,
-    is_eager=True,
-    metavar="SECONDS",
-    help=(
-        "Give up on a store call (S3) that keeps failing or never answers for this long; "
-        "a transfer that keeps moving bytes is never cut."
-    ),
-)
-"""For the commands that talk to a store; the value reaches every location they open."""
+store_timeout = _store_timeout_option(give_up_once=True)
+"""For the one-shot commands that talk to a store (ls, verify, pull, ...)."""
+training_store_timeout = _store_timeout_option(give_up_once=False)
+"""For `runner demo` and `runner run` (in run_options)."""
 
 STEP = click.IntRange(min=0)
 """A checkpoint step (`--step N`): step 0 is the state before the first update."""
@@ -229,9 +232,8 @@ def run_options(func: F) -> F:
             notice_endpoint,
             seed,
             fresh_start,
-            store_timeout,
+            training_store_timeout,
         ]
     ):
         func = decorator(func)
-    _TRAINING_COMMANDS.add(func)
     return func
