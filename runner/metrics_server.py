@@ -23,7 +23,6 @@ import contextlib
 import http.client
 import json
 import logging
-import os
 import socket
 import socketserver
 import sys
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.exposition import choose_encoder
 
 from runner.errors import ConfigError
+from runner.fds import nofile_limit, open_fds
 
 if TYPE_CHECKING:
     from runner.metrics import RunnerMetrics
@@ -61,28 +61,12 @@ class ServerLimits:
 
     @classmethod
     def for_process(cls) -> ServerLimits:
-        soft = _nofile_limit()
+        soft = nofile_limit()
         if soft is None:
             return cls()
         # A quarter of the limit stays free for training; the server itself takes at most
         # 2 * max_connections + 1 (dropped connections count until their thread closes them).
         return cls(max_connections=max(1, min(32, soft // 32)), reserve_fds=max(64, soft // 4))
-
-
-def _nofile_limit() -> int | None:
-    try:
-        import resource
-    except ImportError:  # not a POSIX system: only the connection cap applies
-        return None
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def _open_fds() -> int | None:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:  # no /proc (macOS): only the connection cap applies
-        return None
 
 
 class MetricsServer:
@@ -299,7 +283,7 @@ class _Server(ThreadingHTTPServer):
             raise
 
     def _fd_headroom(self) -> bool:
-        soft, used = _nofile_limit(), _open_fds()
+        soft, used = nofile_limit(), open_fds()
         if soft is None or used is None or soft - used > self.limits.reserve_fds:
             return True
         self.warnings.note(

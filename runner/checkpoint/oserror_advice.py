@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 
+from runner.fds import nofile_limit, open_fds
+
 __all__ = ["oserror_advice"]
 
 
@@ -52,18 +54,9 @@ def oserror_advice(
 
 
 def _fd_usage() -> str:
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return "its open-file limit is reached"
-    try:
-        used = f"{len(os.listdir('/proc/self/fd'))} open of "
-    except OSError:
-        used = ""
-    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-    return f"{used}a limit (RLIMIT_NOFILE) of {limit}"
+    soft, used = nofile_limit(), open_fds()
+    opened = "" if used is None else f"{used} open of "
+    return f"{opened}a limit (RLIMIT_NOFILE) of {'unlimited' if soft is None else soft}"
 
 
 def _uid() -> str:
