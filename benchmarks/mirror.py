@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the SeaweedFS helper lives with the test fixtures
 
-from runner.checkpoint.atomic import sha256_file  # noqa: E402
+from runner.atomicity.files import sha256_file  # noqa: E402
 from runner.checkpoint.manifest import FORMAT_SEED_BIN  # noqa: E402
 from runner.checkpoint.writer import (  # noqa: E402
     CheckpointMeta,

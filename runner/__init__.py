@@ -8,13 +8,13 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "log_to_stderr"]
 
 if TYPE_CHECKING:
-    from runner.logsetup import log_to_stderr
+    from runner.console.logsetup import log_to_stderr
 
 
 def __getattr__(name: str) -> Any:
     # lazy (PEP 562): `import runner` stays free of side effects and of imports
     if name == "log_to_stderr":
-        from runner.logsetup import log_to_stderr
+        from runner.console.logsetup import log_to_stderr
 
         return log_to_stderr
     raise AttributeError(f"module 'runner' has no attribute {name!r}")

@@ -28,7 +28,8 @@ class ConfigError(RunnerError):
 
 
 class RunDirLockedError(ConfigError):
-    """Another process holds the run dir's lock (runner/runlock.py): one writer per run dir."""
+    """Another process holds the run dir's lock (runner/runtime/runlock.py): one writer per
+    run dir."""
 
 
 class IntegrityError(RunnerError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.drill_ablations import (
+from runner.demo.ablations import (
     ABLATIONS,
     EXACT,
     drop_optimizer_state,

@@ -1,5 +1,5 @@
-"""Alert rules: one source (runner/alerting/rules.py) for deploy/prometheus/alerts.yml and the
-k8s PrometheusRule, checked and unit-tested with the real promtool."""
+"""Alert rules: one source (runner/metrics/alerting/rules.py) for deploy/prometheus/alerts.yml
+and the k8s PrometheusRule, checked and unit-tested with the real promtool."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from runner.alerting import Thresholds, alert_rules, render_prometheus_rule, render_rules_file
-from runner.alerting.rules import format_duration, parse_duration
 from runner.errors import ConfigError
-from runner.metrics import RunnerMetrics
+from runner.metrics.alerting import (
+    Thresholds,
+    alert_rules,
+    render_prometheus_rule,
+    render_rules_file,
+)
+from runner.metrics.alerting.rules import format_duration, parse_duration
+from runner.metrics.registry import RunnerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ALERTS = ROOT / "deploy/prometheus/alerts.yml"
@@ -37,11 +42,11 @@ def promtool_run(promtool: str, *args: str, cwd: Path | None = None) -> subproce
 def test_committed_rule_files_are_rendered_from_the_source():
     assert ALERTS.read_text() == render_rules_file(Thresholds()), (
         "deploy/prometheus/alerts.yml is out of date: "
-        "python -m runner.alerting > deploy/prometheus/alerts.yml"
+        "python -m runner.metrics.alerting > deploy/prometheus/alerts.yml"
     )
     assert PROMETHEUS_RULE.read_text() == render_prometheus_rule(Thresholds()), (
         "k8s/base/prometheusrule.yaml is out of date: "
-        "python -m runner.alerting --format prometheusrule > k8s/base/prometheusrule.yaml"
+        "python -m runner.metrics.alerting --format prometheusrule > k8s/base/prometheusrule.yaml"
     )
 
 
@@ -137,7 +142,15 @@ def test_thresholds_render_into_exprs_and_descriptions():
 
 def test_cli_renders_custom_thresholds(tmp_path):
     result = subprocess.run(
-        ["python", "-m", "runner.alerting", "--stale-after", "3h", "--job-matcher", 'job="train"'],
+        [
+            "python",
+            "-m",
+            "runner.metrics.alerting",
+            "--stale-after",
+            "3h",
+            "--job-matcher",
+            'job="train"',
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -153,7 +166,7 @@ def test_cli_renders_custom_thresholds(tmp_path):
 
 def test_cli_refuses_a_bad_duration():
     result = subprocess.run(
-        ["python", "-m", "runner.alerting", "--stale-after", "1hour"],
+        ["python", "-m", "runner.metrics.alerting", "--stale-after", "1hour"],
         capture_output=True,
         text=True,
         timeout=60,

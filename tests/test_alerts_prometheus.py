@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from runner.alerting import Thresholds, render_rules_file
+from runner.metrics.alerting import Thresholds, render_rules_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # appears; then it keeps training without checkpointing, like a run whose saves hang.
 DRIVER = """
 import sys, time, pathlib
-from runner.metrics import RunnerMetrics, serve_metrics
+from runner.metrics.registry import RunnerMetrics, serve_metrics
 
 stop_file = pathlib.Path(sys.argv[1])
 metrics = RunnerMetrics()

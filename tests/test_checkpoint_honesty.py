@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.atomic import sha256_file
+from runner.atomicity.files import sha256_file
 from runner.checkpoint.layout import checkpoint_key
 from tests.demo_process import logged_steps, run_demo
 from tests.fixtures.ckpt import SaveCheckpoint

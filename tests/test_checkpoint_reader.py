@@ -142,7 +142,7 @@ class _RunsCode:
 
 def _refresh_manifest_hashes(step_dir: Path) -> None:
     """Make the manifest match the files as they are now (an attacker who controls both)."""
-    from runner.checkpoint.atomic import sha256_file
+    from runner.atomicity.files import sha256_file
 
     data = json.loads((step_dir / "manifest.json").read_bytes())
     for f in data["files"]:
@@ -191,7 +191,7 @@ def test_v1_checkpoint_migrates_to_v2_on_load(tmp_path: Path) -> None:
     step_dir = tmp_path / "checkpoints" / "step_000004"
     step_dir.mkdir(parents=True)
     torch.save(_v1_payload(state), step_dir / "state.pt")
-    from runner.checkpoint.atomic import sha256_file
+    from runner.atomicity.files import sha256_file
 
     size, sha = sha256_file(step_dir / "state.pt")
     v1_manifest = {
@@ -358,7 +358,7 @@ def test_sharded_payload_counters_are_checked(
 def test_seed_bin_header_step_must_match_the_manifest(tmp_path: Path) -> None:
     import struct
 
-    from runner.checkpoint.seedbin import adopt_seed_bin
+    from runner.checkpoint.formats.seedbin import adopt_seed_bin
 
     src = tmp_path / "step_000006.bin"
     src.write_bytes(struct.pack("<ii", 6, 2) + b"\0" * 24)
@@ -394,7 +394,7 @@ def test_migrated_v1_checkpoint_compares_only_what_it_stores(tmp_path: Path) -> 
     step_dir = tmp_path / "checkpoints" / "step_000004"
     step_dir.mkdir(parents=True)
     torch.save({**_v1_payload(state), "step": 3}, step_dir / "state.pt")
-    from runner.checkpoint.atomic import sha256_file
+    from runner.atomicity.files import sha256_file
 
     size, sha = sha256_file(step_dir / "state.pt")
     v1 = {

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.atomic import sha256_file
+from runner.atomicity.files import sha256_file
 from runner.checkpoint.layout import checkpoint_key
 from runner.errors import IntegrityError
-from runner.runlock import LOCK_FILE
+from runner.runtime.runlock import LOCK_FILE
 from runner.storage.file import FileStorage
 from tests.demo_process import logged_steps, run_demo
 from tests.fixtures.ckpt import SaveCheckpoint

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint import atomic
-from runner.checkpoint.atomic import PARALLEL_HASH_MIN, HashingFileWriter
+from runner.atomicity import files as atomic
+from runner.atomicity.files import PARALLEL_HASH_MIN, HashingFileWriter
 from runner.checkpoint.reader import load_state, verify_dir
 from runner.checkpoint.writer import CheckpointWriter
 from runner.errors import CheckpointConflictError, IntegrityError

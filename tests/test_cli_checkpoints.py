@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint.atomic import sha256_file
+from runner.atomicity.files import sha256_file
 from tests.fixtures.ckpt import SaveCheckpoint
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.reader import verify_dir
-from runner.sidecars import LossLog
+from runner.checkpoint.sidecars import LossLog
 from tests.demo_process import (
     DEMO_STEPS,
     checkpoint_steps,

@@ -99,7 +99,8 @@ def test_log_lines_start_at_column_0_while_the_progress_line_is_live(tmp_path: P
     assert code == 0, output
     assert "\r\x1b[Kstep 1/30" in output, output  # the live, redrawn line was on
     screen = [line for line in render(output) if line]
-    commits = [line for line in screen if "INFO runner.session: checkpoint step" in line]
+    marker = "INFO runner.session.train_session: checkpoint step"
+    commits = [line for line in screen if marker in line]
     assert [re.search(r"checkpoint step (\d+) committed", c)[1] for c in commits] == [  # type: ignore[index]
         "10",
         "20",
@@ -161,7 +162,7 @@ class _Terminal(io.StringIO):
 def test_a_record_during_a_transfer_bar_gets_a_line_of_its_own() -> None:
     """push/pull's byte bar (tqdm) and a retry warning on the same terminal: the bar is cleared
     before the record and redrawn after it, and the handler gets its stream back."""
-    from runner.progress import transfer_progress
+    from runner.console.progress import transfer_progress
 
     out = _Terminal()
     handler = logging.StreamHandler(out)
@@ -186,7 +187,7 @@ def test_a_record_during_a_transfer_bar_gets_a_line_of_its_own() -> None:
 
 
 def test_a_record_before_the_bar_shows_is_left_alone() -> None:
-    from runner.progress import transfer_progress
+    from runner.console.progress import transfer_progress
 
     out = _Terminal()
     handler = logging.StreamHandler(out)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from runner.checkpoint.reader import verify_dir
-from runner.sidecars import LossLog
+from runner.checkpoint.sidecars import LossLog
 from tests.demo_process import checkpoint_steps, demo_cmd, run_demo, wait_for_step
 from tests.fixtures.prometheus import free_port
 from tests.test_metrics_cli import scrape, value
@@ -90,7 +90,7 @@ def test_loss_log_on_a_full_disk_holds_its_lines_and_leaves_no_torn_line(
     failures: list[int] = []
     with tmpfs(tmp_path / "disk", "64k") as disk:
         loss_log = LossLog(disk, attempt="a1", on_failure=lambda: failures.append(1))
-        with caplog.at_level(logging.INFO, logger="runner.sidecars"), loss_log:
+        with caplog.at_level(logging.INFO, logger="runner.checkpoint.sidecars"), loss_log:
             loss_log.append(1, 1.0)
             fill(disk / "filler")
             size_full = (disk / "loss.jsonl").stat().st_size

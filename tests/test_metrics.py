@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from runner.errors import ConfigError
-from runner.metrics import (
+from runner.metrics.registry import (
     DURATION_BUCKETS,
     FAILURE_STAGES,
     NOTICE_SOURCES,

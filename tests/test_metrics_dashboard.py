@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from runner.metrics import RunnerMetrics
+from runner.metrics.registry import RunnerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy/grafana/runner-dashboard.json"
 GRID_WIDTH = 24

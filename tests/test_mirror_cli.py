@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.layout import checkpoint_key
-from runner.progress import transfer_progress
+from runner.console.progress import transfer_progress
 from tests.fixtures.s3 import SeaweedS3
 from tests.test_mirror import make_checkpoint
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from runner.checkpoint.reader import list_checkpoints, read_manifest
-from runner.sidecars import LossLog
+from runner.checkpoint.sidecars import LossLog
 from runner.storage.s3 import S3Storage
 from tests.demo_process import (
     DEMO_STEPS,

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from runner.config import RunConfig
-from runner.metrics import RunnerMetrics
+from runner.metrics.registry import RunnerMetrics
 from runner.preemption.clouds import AwsSpotNotice
 from runner.preemption.notices import NoticePoller, start_notice_poller
 from runner.preemption.stop import StopController

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runner.errors import ConfigError
-from runner.policy import REASON_SECONDS, REASON_STEPS, SavePolicy
+from runner.preemption.policy import REASON_SECONDS, REASON_STEPS, SavePolicy
 
 
 class FakeClock:

@@ -69,7 +69,7 @@ def test_readme_example_runs_stops_and_resumes(tmp_path: Path) -> None:
     assert stopped >= 30
     assert stopped in checkpoint_steps(tmp_path / "bucket"), "final checkpoint not mirrored"
     # log_to_stderr() in the example: the session's own lines, formatted, on stderr
-    log_line = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO runner\.session: "
+    log_line = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO runner\.session\.train_session: "
     assert re.search(log_line + r"no checkpoint to resume from in ", err, re.M), err
     committed = re.findall(log_line + r"checkpoint step (\d+) committed in ", err, re.M)
     assert committed[0] == "25" and committed[-1] == str(stopped), err  # a cadence and the final
@@ -77,7 +77,7 @@ def test_readme_example_runs_stops_and_resumes(tmp_path: Path) -> None:
     program.write_text(readme_program(tmp_path / "run", tmp_path / "bucket", steps=stopped + 10))
     done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    resumed = rf"INFO runner\.session: resumed from \S*step_{stopped:06d} \(step {stopped}, "
+    resumed = rf"INFO runner\.session\.train_session: resumed from \S*step_{stopped:06d} \(step {stopped}, "
     assert re.search(resumed, done.stderr), done.stderr
     assert re.search(rf"checkpoint step {stopped + 10} committed in ", done.stderr), done.stderr
     assert checkpoint_steps(tmp_path / "run")[-1] == stopped + 10

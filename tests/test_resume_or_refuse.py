@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint.atomic import sha256_file
+from runner.atomicity.files import sha256_file
 from runner.checkpoint.reader import list_checkpoints, verify_checkpoint, verify_dir
 from runner.checkpoint.retention import prune
 from runner.mirror import upload_checkpoint
@@ -365,8 +365,8 @@ def test_repair_of_a_run_dir_restores_from_a_mirror_and_keeps_the_corrupt_copy_a
 def test_train_session_refuses_in_process_and_writes_nothing(run_copy: Path) -> None:
     from runner.config import RunConfig
     from runner.errors import UnusableCheckpointsError
-    from runner.session import TrainSession
-    from runner.train_state import ModuleTrainState
+    from runner.session.train_session import TrainSession
+    from runner.state.train_state import ModuleTrainState
 
     newer_schema(run_copy)
     before = tree_hashes(run_copy)

@@ -1,4 +1,4 @@
-"""One writer per run dir (runner/runlock.py), with real processes: a second `runner demo` /
+"""One writer per run dir (runner/runtime/runlock.py), with real processes: a second `runner demo` /
 `runner run` / TrainSession on a run dir in use exits 2 at once naming the holder, the first is
 unaffected, a SIGKILLed holder frees it at once, and `runner run -- runner demo` works under
 its supervisor's lock."""
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from runner import runlock
+from runner.checkpoint.sidecars import LossLog
 from runner.config import RunConfig
 from runner.errors import EXIT_USAGE, RunDirLockedError, exit_code_for
-from runner.session import TrainSession
-from runner.sidecars import LossLog
+from runner.runtime import runlock
+from runner.session.train_session import TrainSession
 from tests.demo_process import (
     checkpoint_steps,
     demo_cmd,
@@ -37,7 +37,7 @@ CKPT_EVERY = 20
 HOST = socket.gethostname()
 # The lock's holder, until told to go: prints its token once it holds the lock.
 HOLDER = (
-    "import sys; from pathlib import Path; from runner import runlock\n"
+    "import sys; from pathlib import Path; from runner.runtime import runlock\n"
     "lock = runlock.acquire(Path(sys.argv[1]), command='test holder')\n"
     "print(lock.token, flush=True)\n"
     "sys.stdin.read()\n"

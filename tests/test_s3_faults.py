@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from runner.checkpoint.layout import manifest_key
 from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
 from runner.errors import StorageTransientError
-from runner.metrics import RunnerMetrics
+from runner.metrics.registry import RunnerMetrics
 from runner.mirror import Mirror, resolve_resume, upload_checkpoint
 from runner.storage.retry import RetryPolicy
 from runner.storage.s3 import MiB, S3Storage, TransferSettings

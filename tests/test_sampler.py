@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runner.errors import ConfigError, IntegrityError
-from runner.sampler import ResumableSampler
+from runner.state.sampler import ResumableSampler
 
 
 def _take(sampler: ResumableSampler, n: int) -> list[list[int]]:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.checkpoint.sidecars import LossLog, pivot
 from runner.errors import ConfigError
-from runner.sidecars import LossLog, pivot
 
 
 def _run_attempt(run_dir: Path, attempt: str, *, resume_from: int, until: int) -> None:
@@ -136,7 +136,7 @@ def test_pivot_missing_run_dir(tmp_path: Path) -> None:
 
 
 def test_follower_reports_the_newest_complete_step(tmp_path: Path) -> None:
-    from runner.sidecars import LossFollower
+    from runner.checkpoint.sidecars import LossFollower
 
     follower = LossFollower(tmp_path)
     assert follower.poll() is None  # no file yet

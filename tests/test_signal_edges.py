@@ -156,8 +156,8 @@ USER_SCRIPT = textwrap.dedent(
     from runner.config import RunConfig
     from runner.preemption.signals import install_signal_handlers
     from runner.preemption.stop import StopController
-    from runner.session import TrainSession
-    from runner.train_state import ModuleTrainState
+    from runner.session.train_session import TrainSession
+    from runner.state.train_state import ModuleTrainState
 
     config = RunConfig(run_dir=sys.argv[1], steps=100_000, ckpt_every=1000)
     stop = StopController()

@@ -16,8 +16,8 @@ import pytest
 
 from runner.errors import EXIT_PREEMPTED
 from runner.mirror.resume import choose_resume
+from runner.preemption.startup import StartupInterrupted, run_interruptible
 from runner.preemption.stop import StopController
-from runner.startup import StartupInterrupted, run_interruptible
 from runner.storage.base import ProgressCallback
 from runner.storage.file import FileStorage
 from tests.demo_process import checkpoint_steps, demo_cmd, logged_steps
@@ -255,8 +255,8 @@ TRAIN_FIRST_SCRIPT = textwrap.dedent(
     from runner.config import RunConfig
     from runner.preemption.signals import install_signal_handlers
     from runner.preemption.stop import StopController
-    from runner.session import TrainSession
-    from runner.train_state import ModuleTrainState
+    from runner.session.train_session import TrainSession
+    from runner.state.train_state import ModuleTrainState
 
     config = RunConfig(run_dir=sys.argv[1], mirror="s3://bucket/p", steps=1000,
                        ckpt_every=1, grace_seconds=float(sys.argv[2]))

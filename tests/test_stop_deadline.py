@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
-from runner.sidecars import LossLog
+from runner.checkpoint.sidecars import LossLog
 from runner.storage.s3 import S3Storage
 from tests.demo_process import checkpoint_steps
 from tests.fixtures.fault_proxy import HANG, SLOW_DOWN, FaultProxy

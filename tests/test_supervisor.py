@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.checkpoint.formats.seedbin import expected_size, read_header
 from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
-from runner.checkpoint.seedbin import expected_size, read_header
 from runner.storage.file import FileStorage
 from tests.fixtures.metadata_server import FakeCloud
 

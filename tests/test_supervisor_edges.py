@@ -240,7 +240,7 @@ def test_sweep_spares_processes_that_were_already_the_supervisors_children(
     sweeps only what its trainer left behind."""
     from runner.config import RunConfig
     from runner.preemption.stop import StopController
-    from runner.supervisor import Supervisor
+    from runner.supervisor.supervise import Supervisor
 
     bystander = subprocess.Popen(["sleep", "600"])
     controller = StopController()
@@ -312,7 +312,7 @@ def test_embedded_supervisor_spares_a_child_its_own_process_starts_during_the_at
     mirror thread, say) is in the host's process group: not swept with the trainer's."""
     from runner.config import RunConfig
     from runner.preemption.stop import StopController
-    from runner.supervisor import Supervisor
+    from runner.supervisor.supervise import Supervisor
 
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -377,7 +377,7 @@ def test_stop_with_a_stubborn_trainer_and_a_helper_on_its_pipes_ends_within_the_
 def test_fake_reused_or_emptied_trainer_group_is_not_matched(pid_dir: Path) -> None:
     """Fake: the trainer's group id taken by an unrelated session leader (a start time other
     than the recorded leader's), or a group seen empty, stops being matched for good."""
-    from runner.supervisor_reap import Descendants
+    from runner.supervisor.reap import Descendants
 
     # a session (and group) leader that is not our child: forked, then setsid
     leave = (

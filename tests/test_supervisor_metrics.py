@@ -13,11 +13,11 @@ from typing import BinaryIO
 import pytest
 from prometheus_client import CollectorRegistry
 
+from runner.checkpoint.sidecars import LossLog
 from runner.config import RunConfig
-from runner.metrics import RunnerMetrics
+from runner.metrics.registry import RunnerMetrics
 from runner.preemption.stop import StopController
-from runner.sidecars import LossLog
-from runner.supervisor import Supervisor
+from runner.supervisor.supervise import Supervisor
 
 N = 16
 

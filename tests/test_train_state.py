@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from runner.errors import ConfigError, IntegrityError, SchemaError
-from runner.rng import capture_rng, restore_rng
-from runner.sampler import ResumableSampler
-from runner.train_state import Counters, capture_train_state, restore_train_state
+from runner.state.rng import capture_rng, restore_rng
+from runner.state.sampler import ResumableSampler
+from runner.state.train_state import Counters, capture_train_state, restore_train_state
 
 
 def _setup(
@@ -201,7 +201,7 @@ def test_resume_with_another_thread_count_warns(caplog: pytest.LogCaptureFixture
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(before + 1)
-        with caplog.at_level(logging.WARNING, logger="runner.rng"):
+        with caplog.at_level(logging.WARNING, logger="runner.state.rng"):
             restore_rng(state)
     finally:
         torch.set_num_threads(before)

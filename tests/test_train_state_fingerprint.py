@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from runner.fingerprint import fingerprint, fingerprint_state
+from runner.state.fingerprint import fingerprint, fingerprint_state
 
 BUILD = """
 import torch
@@ -34,7 +34,9 @@ def test_same_state_same_fingerprint_in_another_process() -> None:
     model, optimizer = _build()
     here = fingerprint(model, optimizer)
     code = (
-        BUILD + "from runner.fingerprint import fingerprint\nprint(fingerprint(model, optimizer))"
+        BUILD
+        + "from runner.state.fingerprint import fingerprint\n"
+        + "print(fingerprint(model, optimizer))"
     )
     there = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120

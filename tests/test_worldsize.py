@@ -8,8 +8,8 @@ import pytest
 
 from runner.demo.components import DemoComponents, build_demo
 from runner.errors import ConfigError
-from runner.train_state import Counters
-from runner.worldsize import position_from_samples_seen, rescale_counters, rescale_step
+from runner.state.train_state import Counters
+from runner.state.worldsize import position_from_samples_seen, rescale_counters, rescale_step
 
 SETTINGS = {"seed": 1, "device": "cpu", "batch_size": 4, "total_steps": 40, "max_samples": 40}
 
@@ -36,7 +36,7 @@ def test_rescale_refuses_nonsense_world_sizes() -> None:
 
 def test_rescale_counters_keeps_samples_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     counters = Counters(step=31, epoch=2, batch_in_epoch=3, samples_seen=992, world_size=4)
-    with caplog.at_level(logging.WARNING, logger="runner.worldsize"):
+    with caplog.at_level(logging.WARNING, logger="runner.state.worldsize"):
         new, change = rescale_counters(counters, new_world_size=8)
     assert new == Counters(step=15, epoch=2, batch_in_epoch=3, samples_seen=992, world_size=8)
     assert change is not None and change.new_step == 15
@@ -97,7 +97,7 @@ def test_sampler_sharded_for_another_world_size_is_refused() -> None:
     state = single.capture()
     resumed = _demo(world_size=2)
     with pytest.raises(ConfigError, match="sharded for world_size=2"):
-        from runner.train_state import restore_train_state
+        from runner.state.train_state import restore_train_state
 
         restore_train_state(
             state,

@@ -24,7 +24,7 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
-from runner.checkpoint.atomic import fsync_dir
+from runner.atomicity.files import fsync_dir
 from runner.checkpoint.layout import CHECKPOINTS_DIR, manifest_key, step_dir_name
 from runner.errors import RunnerError, StorageConflictError, StorageNotFoundError
 from runner.storage.base import Storage

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.checkpoint.atomic import HashingFileWriter, read_chunks
+from runner.atomicity.files import HashingFileWriter, read_chunks
+from runner.checkpoint.formats.seedbin import adopt_seed_bin, read_header, write_seed_file
 from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, step_dir_name
 from runner.checkpoint.manifest import FORMAT_SEED_BIN
 from runner.checkpoint.reader import load_state, newest_verified, read_manifest_dir, verify_dir
-from runner.checkpoint.seedbin import adopt_seed_bin, read_header, write_seed_file
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
 

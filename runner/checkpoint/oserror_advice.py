@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 
-from runner.fds import nofile_limit, open_fds
+from runner.system.fds import nofile_limit, open_fds
 
 __all__ = ["oserror_advice"]
 

@@ -1,6 +1,6 @@
 """The train-state payload inside a checkpoint: its schema version and the v1 -> v2 migration.
 
-v2 (current), agreed with runner/train_state.py:
+v2 (current), agreed with runner/state/train_state.py:
     {"schema": "2", "model": state_dict, "param_names": [names in named_parameters() order],
      "optimizer": state_dict, "scheduler": {...},
      "counters": {"step", "epoch", "batch_in_epoch", "samples_seen", "world_size"},

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from runner.checkpoint.atomic import hash_stream
+from runner.atomicity.files import hash_stream
 from runner.checkpoint.layout import (
     ATTEMPT_FIELD,
     CHECKPOINTS_DIR,
@@ -78,7 +78,8 @@ from runner.storage.file import FileStorage
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
-INDEX_FILE = "index.json"  # runner.checkpoint.sharded.INDEX_NAME (that module imports torch)
+# = runner.checkpoint.formats.chunked.INDEX_NAME (that module imports torch)
+INDEX_FILE = "index.json"
 # A remote (non-local) torch-state payload at most this big is read a second time after
 # hashing so its counters can be checked; larger ones are checked on download and on load.
 REMOTE_COUNTER_CHECK_MAX_BYTES = 64 * 1024 * 1024
@@ -86,7 +87,7 @@ REMOTE_COUNTER_CHECK_MAX_BYTES = 64 * 1024 * 1024
 MAX_SHARD_METADATA_BYTES = 256 * 1024 * 1024
 _COUNTERS = ("step", "world_size", "samples_seen", "epoch", "batch_in_epoch")
 _V1_PAYLOAD_COUNTERS = ("step", "epoch", "batch_in_epoch", "world_size")  # no samples_seen
-_SEED_HEADER = struct.Struct("<ii")  # runner.checkpoint.seedbin.HEADER
+_SEED_HEADER = struct.Struct("<ii")  # runner.checkpoint.formats.seedbin.HEADER
 
 SkipCallback = Callable[[int, str], None]
 
@@ -690,13 +691,13 @@ def load_state(
                 target = by_fd if mmap and os.path.exists(by_fd) else step_dir / STATE_FILE
                 raw = _torch_load(target, source=source, mmap=mmap)
         elif manifest.format == FORMAT_SHARDED:
-            from runner.checkpoint.sharded import read_sharded
+            from runner.checkpoint.formats.chunked import read_sharded
 
             raw = read_sharded(step_dir, listed=listed, mmap=mmap)
         elif manifest.format == FORMAT_SEED_BIN:
             raise SchemaError(
                 f"{source}: a seed-bin checkpoint holds flat arrays, not a train state; map it "
-                "onto a model with runner.checkpoint.seedbin.seed_to_state"
+                "onto a model with runner.checkpoint.formats.seedbin.seed_to_state"
             )
         else:
             raise SchemaError(f"{source}: unknown checkpoint format {manifest.format!r}")

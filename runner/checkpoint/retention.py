@@ -12,8 +12,8 @@ import os
 import shutil
 from uuid import uuid4
 
+from runner.atomicity.files import fsync_dir
 from runner.checkpoint.aside import protected_keys
-from runner.checkpoint.atomic import fsync_dir
 from runner.checkpoint.layout import TMP_PREFIX, checkpoint_key, manifest_key
 from runner.checkpoint.reader import (
     check_payload_counters,

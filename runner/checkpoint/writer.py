@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, cast
 
-from runner.checkpoint.aside import CORRUPT, set_aside_local
-from runner.checkpoint.atomic import (
+from runner.atomicity.files import (
     HashingFileWriter,
     fsync_dir,
     fsync_file,
     read_chunks,
     sha256_file,
 )
+from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.layout import MANIFEST_NAME, TMP_PREFIX, parse_step_dir, step_dir_name
 from runner.checkpoint.manifest import FORMAT_SHARDED, FORMAT_TORCH, FileEntry, Manifest
 from runner.checkpoint.payload import with_schema
@@ -163,12 +163,12 @@ class CheckpointWriter:
         """Save a train-state dict as `state.pt` (or shards past `shard_bytes`) and commit it.
 
         `state` is only read: callers may pass a snapshot and keep training meanwhile."""
-        from runner.checkpoint import sharded  # keeps this module small
+        from runner.checkpoint.formats import chunked  # keeps this module small
 
         payload = with_schema(state)
         with self._staging(meta.step) as stage:
-            if self.shard_bytes is not None and sharded.tensor_bytes(payload) > self.shard_bytes:
-                sharded.write_sharded(stage, payload, shard_bytes=self.shard_bytes)
+            if self.shard_bytes is not None and chunked.tensor_bytes(payload) > self.shard_bytes:
+                chunked.write_sharded(stage, payload, shard_bytes=self.shard_bytes)
                 fmt = FORMAT_SHARDED
             else:
                 stage.write_torch(STATE_FILE, payload)

@@ -179,7 +179,7 @@ def inspect(path: Path, as_json: bool) -> None:
     from runner.checkpoint.manifest import Manifest
 
     if path.is_file() and path.suffix == ".bin":
-        from runner.checkpoint.seedbin import expected_size, read_header
+        from runner.checkpoint.formats.seedbin import expected_size, read_header
 
         header = read_header(path)
         info: dict[str, Any] = {
@@ -258,7 +258,7 @@ def convert(src: Path, dst: Path, samples_seen: int, as_json: bool) -> None:
 def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
     """Start a new run dir DST from one checkpoint of SRC (audit fork: own run_id, loss
     history up to that step)."""
-    from runner.checkpoint.fork import fork_run
+    from runner.mirror.fork import fork_run
     from runner.storage import open_existing
 
     result = fork_run(open_existing(src), dst, step=step, writer_id=f"fork-{uuid.uuid4().hex[:8]}")
@@ -299,9 +299,9 @@ def prune(location: str, keep: int, orphan_age_hours: float, as_json: bool) -> N
     """Keep the newest K usable checkpoints and delete older ones (a corrupt one is never
     counted among the K, one of a newer schema never deleted); a run dir is locked meanwhile,
     so a trainer writing it makes this exit 2."""
-    from runner import runlock
     from runner.checkpoint.orphans import sweep_orphans
     from runner.checkpoint.retention import prune as prune_storage
+    from runner.runtime import runlock
     from runner.storage import is_run_dir_path, open_existing
 
     storage = open_existing(location)

@@ -63,7 +63,7 @@ def demo(
 
     SIGTERM/SIGINT: finish the step, commit the final checkpoint, exit 75.
     SIGUSR1: checkpoint at the end of the current step and keep training."""
-    from runner import runlock
+    from runner.runtime import runlock
 
     config = config_from_options(**kwargs)
     # The run dir's lock before torch is imported (a second demo on it exits 2 in a fraction
@@ -98,8 +98,8 @@ def demo(
 def drill(steps: int, stop_at: int | None, seed: int, work_dir: str | None, as_json: bool) -> None:
     """Resume audit: straight run vs SIGTERM + resume in a fresh process, plus what each
     omission (optimizer state, data position, fp32 weights, RNG) would have cost."""
-    from runner.drill import report_json, run_drill
-    from runner.drill_ablations import format_table, run_ablation_study
+    from runner.demo.ablations import format_table, run_ablation_study
+    from runner.demo.drill import report_json, run_drill
 
     if steps < 2 or (stop_at is not None and not 0 < stop_at < steps):
         raise click.BadParameter("need --steps >= 2 and 0 < --stop-at < --steps")

@@ -12,7 +12,7 @@ import click
 from runner import __version__
 from runner.cli.options import finite_float_type
 from runner.errors import EXIT_FAILURE, EXIT_USAGE, RunnerError
-from runner.exiting import exit_process
+from runner.preemption.exiting import exit_process
 
 # name -> "module:attribute"; importing lazily keeps `runner --help` fast (no torch import).
 COMMANDS: dict[str, str] = {

@@ -53,7 +53,7 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
     with contextlib.ExitStack() as stack:
         if is_run_dir_path(location):
             # a run dir: its trainer must not be writing it meanwhile (exit 2 naming it)
-            from runner import runlock
+            from runner.runtime import runlock
 
             stack.enter_context(runlock.acquire(Path(location), command="runner repair"))
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="runner-repair-"))

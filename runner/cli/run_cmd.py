@@ -102,14 +102,14 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
     """Entry point body: signal handlers, notices, metrics and mirror around a Supervisor."""
     from runner.preemption.signals import install_signal_handlers
     from runner.preemption.stop import StopController
-    from runner.services import run_services
-    from runner.supervisor import Supervisor
-    from runner.supervisor_reap import become_subreaper
+    from runner.runtime.services import run_services
+    from runner.supervisor.reap import become_subreaper
+    from runner.supervisor.supervise import Supervisor
 
     controller = StopController()
     restore = install_signal_handlers(controller, grace_seconds=config.grace_seconds)
     # Orphans of the trainer's tree (a `setsid` helper, a double-forked daemon) re-parent to
-    # us, so the supervisor's sweep finds and stops them (runner/supervisor_reap.py).
+    # us, so the supervisor's sweep finds and stops them (runner/supervisor/reap.py).
     become_subreaper()
     with contextlib.ExitStack() as stack:
         stack.callback(restore)

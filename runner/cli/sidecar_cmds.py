@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
+from runner.checkpoint.sidecars import pivot as pivot_sidecars
 from runner.cli.options import json_output
 from runner.errors import ConfigError
-from runner.sidecars import pivot as pivot_sidecars
 
 
 @click.command()
@@ -21,7 +21,7 @@ def pivot(run_dir: str, as_json: bool) -> None:
     Use it between "checkpoint and stop" and "restart with the new policy"; loss.jsonl,
     the run's audit trail, is never touched.
     """
-    from runner import runlock
+    from runner.runtime import runlock
 
     local = _local_run_dir(run_dir)
     # between "checkpoint and stop" and the restart: a trainer still writing it exits this (2)

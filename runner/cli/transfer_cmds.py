@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from runner import runlock
 from runner.cli.options import STEP, store_timeout
 from runner.errors import (
     ConfigError,
@@ -17,6 +16,7 @@ from runner.errors import (
     NoVerifiedCheckpointError,
     StorageNotFoundError,
 )
+from runner.runtime import runlock
 
 if TYPE_CHECKING:
     from runner.checkpoint.manifest import Manifest
@@ -35,9 +35,9 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
     reported, not sent, and make the command exit 3."""
     from runner.checkpoint.layout import checkpoint_key
     from runner.checkpoint.reader import list_checkpoints, verify_dir
+    from runner.console.progress import transfer_progress
     from runner.errors import RunnerError
     from runner.mirror import remote_manifest, upload_checkpoint
-    from runner.progress import transfer_progress
     from runner.storage import open_storage
     from runner.storage.file import FileStorage
 
@@ -97,8 +97,8 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
     Without --step: the newest one that verifies; corrupt newer ones are reported and
     skipped. Exit 3 when nothing verifies."""
     from runner.checkpoint.reader import list_checkpoints, read_manifest
+    from runner.console.progress import transfer_progress
     from runner.mirror import download_checkpoint
-    from runner.progress import transfer_progress
     from runner.storage import open_existing
 
     storage = open_existing(location)

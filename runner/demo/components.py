@@ -20,8 +20,8 @@ from runner.demo.corpus import DEFAULT_CHARS, generate_corpus
 from runner.demo.data import CharVocab, WindowDataset
 from runner.demo.model import TinyGPT
 from runner.errors import ConfigError
-from runner.sampler import ResumableSampler
-from runner.train_state import ModuleTrainState
+from runner.state.sampler import ResumableSampler
+from runner.state.train_state import ModuleTrainState
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,7 +2,7 @@
 
 On a terminal the line is redrawn in place; otherwise (logs, CI) one line is printed every
 `every_seconds` so a log stays readable. While the line is live, log handlers writing to the
-same stream go through `_ClearingStream` (see runner/terminal.py), so a record printed
+same stream go through `_ClearingStream` (see runner/console/terminal.py), so a record printed
 meanwhile (a checkpoint commit, a mirror warning) starts at column 0 and the progress line is
 redrawn below it.
 """
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from runner.terminal import Wrapped, unwrap_console_handlers, wrap_console_handlers
+from runner.console.terminal import Wrapped, unwrap_console_handlers, wrap_console_handlers
 
 CLEAR_LINE = "\r\033[K"
 

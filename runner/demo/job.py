@@ -14,7 +14,7 @@ from runner.demo.display import ProgressDisplay
 from runner.errors import RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
-from runner.session import TrainSession
+from runner.session.train_session import TrainSession
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from runner.errors import (
     SchemaError,
     StorageConflictError,
 )
-from runner.exiting import note_abandoned_work
 from runner.mirror.resume import LoadFn, ResumeChoice, SkipCallback, choose_resume
 from runner.mirror.upload import remote_manifest, upload_checkpoint
+from runner.preemption.exiting import note_abandoned_work
 from runner.storage.base import ProgressCallback, Storage
 from runner.storage.retry import store_deadline
 
@@ -39,7 +39,7 @@ ORPHAN_SWEEP_EVERY_S = 3600.0
 
 
 class MirrorMetrics(Protocol):
-    """What the mirror reports (runner.metrics.RunnerMetrics implements it)."""
+    """What the mirror reports (runner.metrics.registry.RunnerMetrics implements it)."""
 
     def checkpoint_uploaded(self, *, step: int, duration_s: float) -> None: ...
 

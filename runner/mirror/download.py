@@ -9,8 +9,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from runner.atomicity.files import atomic_write_bytes, fsync_dir
 from runner.checkpoint.aside import CORRUPT, set_aside_local
-from runner.checkpoint.atomic import atomic_write_bytes, fsync_dir
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -22,7 +22,7 @@ from runner.checkpoint.manifest import FileEntry, Manifest
 from runner.checkpoint.reader import check_payload_counters, read_manifest, verify_dir
 from runner.errors import CheckpointConflictError, IntegrityError, SchemaError
 from runner.mirror.remote_layout import to_local
-from runner.startup import publishing
+from runner.preemption.startup import publishing
 from runner.storage.base import ProgressCallback, Storage
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def download_checkpoint(
         check_payload_counters(staging, local)
         atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
         fsync_dir(staging)
-        with publishing():  # never once a stop has given start-up up (runner.startup)
+        with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
             _publish(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runner.atomicity.files import fsync_dir
 from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote, set_aside_local
-from runner.checkpoint.atomic import fsync_dir
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     TMP_PREFIX,
@@ -40,7 +40,7 @@ from runner.errors import (
     UnusableCheckpointsError,
 )
 from runner.mirror.download import download_checkpoint
-from runner.startup import check_not_abandoned, publishing
+from runner.preemption.startup import check_not_abandoned, publishing
 from runner.storage.base import ProgressCallback, Storage
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ def _try_remote(
                 return None
         final = ckpt_dir / step_dir_name(step)
         old = replacing.local_path if replacing is not None else None
-        with publishing():  # never once a stop has given start-up up (runner.startup)
+        with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
             if replacing is not None and old is not None and (old.exists() or old.is_symlink()):
                 set_aside_local(run_dir, old, reason=FOREIGN if replacing.foreign else CORRUPT)
             os.rename(staged, final)

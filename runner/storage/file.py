@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from runner.checkpoint.atomic import HashingFileWriter, fsync_dir, read_chunks, temp_path_for
+from runner.atomicity.files import HashingFileWriter, fsync_dir, read_chunks, temp_path_for
 from runner.checkpoint.layout import TMP_PREFIX
 from runner.errors import (
     IntegrityError,

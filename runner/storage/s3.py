@@ -43,7 +43,7 @@ from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.subscribers import BaseSubscriber
 from s3transfer.utils import ChunksizeAdjuster
 
-from runner.checkpoint.atomic import CHUNK, HashingFileWriter
+from runner.atomicity.files import CHUNK, HashingFileWriter
 from runner.errors import (
     ConfigError,
     IntegrityError,

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from runner.checkpoint.atomic import atomic_write_chunks
+from runner.atomicity.files import atomic_write_chunks
 from runner.errors import EXIT_PREEMPTED
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.config import RunConfig
-from runner.metrics import RunnerMetrics, maybe_serve_metrics
+from runner.metrics.registry import RunnerMetrics, maybe_serve_metrics
 from runner.preemption.notices import start_notice_poller
 from runner.preemption.stop import StopController
 
@@ -67,7 +67,7 @@ def close_mirror(mirror: Mirror, stop: StopController, *, grace_seconds: float) 
     """After a stop, wait for the mirror only until the stop's deadline (the request's own,
     else the grace period from when it arrived): an upload still retrying against a dead
     endpoint must not keep a preempted process alive past its notice. Whatever is left is
-    abandoned; runner.exiting then exits without joining the threads stuck on it."""
+    abandoned; runner.preemption.exiting then exits without joining the threads stuck on it."""
     if not stop.stop_requested:
         mirror.close()
         return

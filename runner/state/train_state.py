@@ -8,14 +8,14 @@ Layout (schema "2"; the checkpoint writer stores it as is)::
      "optimizer": optimizer.state_dict(),          # AdamW: m (exp_avg), v (exp_avg_sq), step
      "scheduler": scheduler.state_dict() or {},
      "counters": {"step", "epoch", "batch_in_epoch", "samples_seen", "world_size"},  # ints
-     "rng": runner.rng.capture_rng(),                # python, numpy, torch CPU, every CUDA device
+     "rng": runner.state.rng.capture_rng(),  # python, numpy, torch CPU, every CUDA device
      "sampler": ResumableSampler.state_dict() or {},
      "loss_history": [float, ...],                   # loss of steps 1..step
      "extra": {...}}                                 # caller's plain data
 
 Only tensors, ints, floats, strings, None, lists, tuples and dicts: no pickled objects.
 Restoring returns the `Counters` to continue from; a resume at another world size rescales them
-(see `runner.worldsize`).
+(see `runner.state.worldsize`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,15 @@ from typing import Any
 
 import torch
 
-from runner import rng
 from runner.errors import ConfigError, IntegrityError, SchemaError
-from runner.fingerprint import fingerprint as fingerprint_of
-from runner.sampler import ResumableSampler
-from runner.worldsize import move_scheduler_to_step, position_from_samples_seen, rescale_counters
+from runner.state import rng
+from runner.state.fingerprint import fingerprint as fingerprint_of
+from runner.state.sampler import ResumableSampler
+from runner.state.worldsize import (
+    move_scheduler_to_step,
+    position_from_samples_seen,
+    rescale_counters,
+)
 
 log = logging.getLogger(__name__)
 

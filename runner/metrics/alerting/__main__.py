@@ -1,8 +1,8 @@
-"""`python -m runner.alerting`: print the alert rules with your thresholds.
+"""`python -m runner.metrics.alerting`: print the alert rules with your thresholds.
 
-python -m runner.alerting > deploy/prometheus/alerts.yml
-python -m runner.alerting --format prometheusrule > k8s/base/prometheusrule.yaml
-python -m runner.alerting --stale-after 3h --mirror-lag 1h > my-alerts.yml
+python -m runner.metrics.alerting > deploy/prometheus/alerts.yml
+python -m runner.metrics.alerting --format prometheusrule > k8s/base/prometheusrule.yaml
+python -m runner.metrics.alerting --stale-after 3h --mirror-lag 1h > my-alerts.yml
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from runner.alerting.render import render_prometheus_rule, render_rules_file
-from runner.alerting.rules import Thresholds, format_duration, parse_duration
 from runner.errors import RunnerError
+from runner.metrics.alerting.render import render_prometheus_rule, render_rules_file
+from runner.metrics.alerting.rules import Thresholds, format_duration, parse_duration
 
 _DEFAULTS = Thresholds()
 

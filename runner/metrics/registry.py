@@ -1,6 +1,6 @@
 """What the runner measures: the Prometheus metrics named in DESIGN.md ('Metrics').
 
-Every stage reports here (writer, mirror, preemption, resume); `runner.metrics_server` serves
+Every stage reports here (writer, mirror, preemption, resume); `runner.metrics.server` serves
 the registry on `/metrics` and a short JSON summary on `/healthz`.
 
 Checkpoint age is computed when Prometheus scrapes, not when a checkpoint is written, so a run
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from runner.metrics_server import MetricsServer, maybe_serve_metrics, serve_metrics
+from runner.metrics.server import MetricsServer, maybe_serve_metrics, serve_metrics
 
 __all__ = [
     "DURATION_BUCKETS",

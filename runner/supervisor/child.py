@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
 from runner.errors import ConfigError
-from runner.supervisor_reap import SWEEP_GRACE_SECONDS, Descendants
+from runner.supervisor.reap import SWEEP_GRACE_SECONDS, Descendants
 
 DEFAULT_TAIL_LINES = 30
 DRAIN_SECONDS = 2.0
@@ -150,7 +150,7 @@ class ChildProcess:
 
     def sweep(self, *, grace_seconds: float | None = None) -> list[int]:
         """SIGTERM, then SIGKILL, every process this trainer left behind (its group, its
-        detached helpers: runner/supervisor_reap.py); the pids signalled."""
+        detached helpers: runner/supervisor/reap.py); the pids signalled."""
         grace = grace_seconds if grace_seconds is not None else SWEEP_GRACE_SECONDS
         keep = self.pid if self._proc.returncode is None else None
         swept = self.descendants.sweep(grace_seconds=grace, keep=keep)

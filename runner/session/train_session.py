@@ -23,13 +23,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from runner import runlock
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.manifest import Manifest, created_at_unix
 from runner.checkpoint.reader import (
     load_state,
     local_step_dir,
 )
+from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import (
@@ -39,13 +39,13 @@ from runner.errors import (
     CheckpointWriteError,
     RunnerError,
 )
-from runner.metrics import RunnerMetrics
-from runner.policy import SavePolicy
+from runner.metrics.registry import RunnerMetrics
+from runner.preemption.policy import SavePolicy
+from runner.preemption.startup import StartupInterrupted, run_interruptible
 from runner.preemption.stop import StopController
-from runner.services import Services, run_services
-from runner.sidecars import LossLog
-from runner.startup import StartupInterrupted, run_interruptible
-from runner.train_state import Counters
+from runner.runtime import runlock
+from runner.runtime.services import Services, run_services
+from runner.state.train_state import Counters
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 class TrainState(Protocol):
     """What a session needs from the training loop's state (the demo's components and
-    `runner.train_state.ModuleTrainState` both provide it). The loop advances `counters` and
+    `runner.state.train_state.ModuleTrainState` both provide it). The loop advances `counters` and
     `loss_history`."""
 
     counters: Counters
@@ -91,7 +91,7 @@ class TrainSession:
         self.state = state
         self.stop = stop or StopController()
         self._owned = contextlib.ExitStack()
-        # One writer per run dir (runner/runlock.py), taken before the services start and
+        # One writer per run dir (runner/runtime/runlock.py), taken before the services start and
         # before anything is written there: a second process on it exits 2 naming this one.
         # Released in close(), last; by the kernel if the process dies.
         self.run_lock = self._owned.enter_context(
@@ -175,7 +175,8 @@ class TrainSession:
     def restore(self) -> int | None:
         """Continue from the newest checkpoint that verifies (local or mirror); returns its step.
 
-        The store-bound part runs in a worker that a stop request gives up on (runner.startup):
+        The store-bound part runs in a worker that a stop request gives up on
+        (runner.preemption.startup):
         then nothing is restored or trained, `should_stop` is true and `finish()` exits 75
         without saving or uploading anything; every checkpoint stays as it was."""
         self.writer.cleanup_partial()

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.atomic import atomic_write_bytes
+from runner.atomicity.files import atomic_write_bytes
 from runner.checkpoint.layout import CHECKPOINTS_DIR, LOSS_FILE, checkpoint_key
 from runner.checkpoint.reader import list_checkpoints, read_manifest
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
@@ -129,7 +129,7 @@ def _copy_loss_history(
     """Write the effective loss history for steps <= the checkpoint's; returns the number of
     steps written and how many of them came from the checkpoint (the source's loss.jsonl
     lacked them)."""
-    from runner.sidecars import LossLog
+    from runner.checkpoint.sidecars import LossLog
 
     upto = checkpoint.step
     try:

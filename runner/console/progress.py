@@ -1,7 +1,7 @@
 """Transfer progress bars: on stderr, only on a terminal, only for transfers that last more
 than a few seconds (tqdm's `delay`), so logs and pipes stay clean. While a bar is on the
 terminal, log records written to the same stream clear it first and redraw it after (see
-runner/terminal.py), so a retry warning never lands glued onto the bar."""
+runner/console/terminal.py), so a retry warning never lands glued onto the bar."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from runner.console.terminal import unwrap_console_handlers, wrap_console_handlers
 from runner.storage.base import ProgressCallback
-from runner.terminal import unwrap_console_handlers, wrap_console_handlers
 
 SHOW_AFTER_S = 3.0
 

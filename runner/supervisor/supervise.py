@@ -11,7 +11,7 @@ any other exit or a death by a signal we did not send is restarted with exponent
 up to `max_restarts`, then ChildFailedError shows each attempt's last output. After a
 stop we forwarded, 75 only when a final checkpoint stands (`_finish_stop`). Whatever the
 ending, every process the attempt left behind is swept before anything else happens
-(runner/supervisor_reap.py).
+(runner/supervisor/reap.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from tenacity import (
     wait_exponential,
 )
 
-from runner import runlock
 from runner.checkpoint.layout import CHECKPOINTS_DIR, parse_seed_bin, parse_step_dir
 from runner.checkpoint.reader import read_manifest_dir
 from runner.checkpoint.retention import prune
+from runner.checkpoint.sidecars import LossFollower, LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import (
@@ -53,18 +53,18 @@ from runner.errors import (
     TrainerIntegrityError,
     TrainerUsageError,
 )
+from runner.preemption.startup import StartupInterrupted, run_interruptible
 from runner.preemption.stop import StopController
-from runner.sidecars import LossFollower, LossLog
-from runner.startup import StartupInterrupted, run_interruptible
+from runner.runtime import runlock
 from runner.storage.file import FileStorage
-from runner.supervisor_adopt import Adopted, ResolveResume, ResumePoint, SeedAdopter, find_resume
-from runner.supervisor_child import (
+from runner.supervisor.adopt import Adopted, ResolveResume, ResumePoint, SeedAdopter, find_resume
+from runner.supervisor.child import (
     DEFAULT_TAIL_LINES,
     AttemptOutput,
     ChildProcess,
     describe_exit,
 )
-from runner.supervisor_reap import SWEEP_GRACE_SECONDS
+from runner.supervisor.reap import SWEEP_GRACE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class MirrorHook(Protocol):
 
 
 class MetricsHook(Protocol):
-    """What the supervisor reports (runner.metrics.RunnerMetrics fits)."""
+    """What the supervisor reports (runner.metrics.registry.RunnerMetrics fits)."""
 
     def checkpoint_saved(self, *, step: int, duration_s: float, size_bytes: int) -> None: ...
 
@@ -173,7 +173,7 @@ class Supervisor:
         ChildFailedError once the trainer crashed more than `max_restarts` times."""
         # One writer per run dir, held for the supervisor's life: a second supervisor or
         # trainer on it exits 2. A runner child gets the lock's token (`_child_env`) and works
-        # under this lock instead of waiting on it (runner/runlock.py).
+        # under this lock instead of waiting on it (runner/runtime/runlock.py).
         with runlock.acquire(self.run_dir, command="runner run") as lock:
             self._run_lock = lock
             try:

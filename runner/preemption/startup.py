@@ -3,7 +3,7 @@
 Resume resolution lists the mirror and may download a checkpoint; against a store that
 accepts connections and never answers, that can take minutes of read timeouts and retries,
 far past a preemption's grace period. So it runs in a worker thread while the main thread
-waits on the StopController: on a stop the work is given up (runner.exiting then exits
+waits on the StopController: on a stop the work is given up (runner.preemption.exiting then exits
 without joining the thread) and the session exits 75 with nothing trained.
 
 Giving up must not leave the worker free to change the run dir afterwards: whatever it makes
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from runner.errors import StartupInterrupted
-from runner.exiting import note_abandoned_work
+from runner.preemption.exiting import note_abandoned_work
 from runner.preemption.stop import StopController
 
 __all__ = ["StartupInterrupted", "check_not_abandoned", "publishing", "run_interruptible"]

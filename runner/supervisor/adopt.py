@@ -28,7 +28,7 @@ from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
 from runner.checkpoint.reader import read_manifest_dir
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import CheckpointConflictError, IntegrityError
-from runner.supervisor_files import DirWatch, open_for_writing
+from runner.supervisor.files import DirWatch, open_for_writing
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class SeedAdopter:
     def adopt(self, path: Path, *, judged: str = "") -> Adopted | None:
         """Check and commit one seed file; None (and the file set aside) when it is bad.
         `judged` says when it was checked, for the log."""
-        from runner.checkpoint import seedbin  # imports torch: only once a trainer saves
+        from runner.checkpoint.formats import seedbin  # imports torch: only once a trainer saves
 
         start = time.monotonic()
         try:

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.exposition import choose_encoder
 
 from runner.errors import ConfigError
-from runner.fds import nofile_limit, open_fds
+from runner.system.fds import nofile_limit, open_fds
 
 if TYPE_CHECKING:
-    from runner.metrics import RunnerMetrics
+    from runner.metrics.registry import RunnerMetrics
 
 __all__ = ["MetricsServer", "ServerLimits", "maybe_serve_metrics", "serve_metrics"]
 

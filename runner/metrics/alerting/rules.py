@@ -1,5 +1,5 @@
 """The alert rules, defined once: `deploy/prometheus/alerts.yml` and the k8s PrometheusRule
-are both rendered from here (`python -m runner.alerting`), and tests render the same rules
+are both rendered from here (`python -m runner.metrics.alerting`), and tests render the same rules
 with short thresholds for a live Prometheus.
 
 Thresholds are tied to the checkpoint cadence: the defaults suit the seeds' cadence of about

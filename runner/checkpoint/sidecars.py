@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.atomic import fsync_dir
+from runner.atomicity.files import fsync_dir
 from runner.checkpoint.layout import LOSS_FILE, SAMPLES_FILE, STATE_FILE
 from runner.errors import ConfigError
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.checkpoint.reader import list_checkpoints, read_manifest
+from runner.checkpoint.sidecars import LossLog
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, IntegrityError, RunnerError
-from runner.sidecars import LossLog
 from runner.storage.file import FileStorage
 
 SIGTERM_TIMEOUT_SECONDS = 120.0

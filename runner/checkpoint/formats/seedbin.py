@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.checkpoint.atomic import HashingFileWriter, read_chunks
+from runner.atomicity.files import HashingFileWriter, read_chunks
 from runner.checkpoint.layout import parse_seed_bin, seed_bin_name
 from runner.checkpoint.manifest import FORMAT_SEED_BIN
 from runner.errors import IntegrityError, SchemaError
