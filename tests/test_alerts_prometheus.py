@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # appears; then it keeps training without checkpointing, like a run whose saves hang.
 DRIVER = """
 import sys, time, pathlib
-from runner.metrics.registry import RunnerMetrics, serve_metrics
+from runner.metrics.registry import RunnerMetrics
+from runner.metrics.server import serve_metrics
 
 stop_file = pathlib.Path(sys.argv[1])
 metrics = RunnerMetrics()

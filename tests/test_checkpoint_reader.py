@@ -358,7 +358,7 @@ def test_sharded_payload_counters_are_checked(
 def test_seed_bin_header_step_must_match_the_manifest(tmp_path: Path) -> None:
     import struct
 
-    from runner.checkpoint.formats.seedbin import adopt_seed_bin
+    from runner.checkpoint.convert import adopt_seed_bin
 
     src = tmp_path / "step_000006.bin"
     src.write_bytes(struct.pack("<ii", 6, 2) + b"\0" * 24)

@@ -12,7 +12,8 @@ from types import ModuleType
 
 import pytest
 
-from runner.metrics.registry import RunnerMetrics, serve_metrics
+from runner.metrics.registry import RunnerMetrics
+from runner.metrics.server import serve_metrics
 
 SCRIPT = Path(__file__).resolve().parents[1] / "docker" / "healthcheck.py"
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.reader import verify_dir
-from runner.metrics.registry import RunnerMetrics, serve_metrics
-from runner.metrics.server import ServerLimits
+from runner.metrics.registry import RunnerMetrics
+from runner.metrics.server import ServerLimits, serve_metrics
 from tests.demo_process import checkpoint_steps, demo_cmd, logged_steps, wait_for_step
 from tests.fixtures.prometheus import free_port
 from tests.test_metrics_cli import scrape, value

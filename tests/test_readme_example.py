@@ -77,7 +77,10 @@ def test_readme_example_runs_stops_and_resumes(tmp_path: Path) -> None:
     program.write_text(readme_program(tmp_path / "run", tmp_path / "bucket", steps=stopped + 10))
     done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    resumed = rf"INFO runner\.session\.train_session: resumed from \S*step_{stopped:06d} \(step {stopped}, "
+    resumed = (
+        r"INFO runner\.session\.train_session: "
+        rf"resumed from \S*step_{stopped:06d} \(step {stopped}, "
+    )
     assert re.search(resumed, done.stderr), done.stderr
     assert re.search(rf"checkpoint step {stopped + 10} committed in ", done.stderr), done.stderr
     assert checkpoint_steps(tmp_path / "run")[-1] == stopped + 10

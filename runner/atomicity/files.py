@@ -15,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
-from runner.checkpoint.layout import TMP_PREFIX
+from runner.atomicity.temp import TMP_PREFIX
 
 CHUNK = 8 * 1024 * 1024
 # Writes at least this big are hashed on a helper thread while the caller writes them to the

@@ -8,13 +8,18 @@ streamed out in seed layout one tensor at a time.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from runner.atomicity.files import HashingFileWriter, read_chunks
-from runner.checkpoint.formats.seedbin import adopt_seed_bin, read_header, write_seed_file
-from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, step_dir_name
+from runner.checkpoint.formats.seedbin import (
+    hash_seed_file,
+    read_header,
+    write_seed_file,
+)
+from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, seed_bin_name, step_dir_name
 from runner.checkpoint.manifest import FORMAT_SEED_BIN
 from runner.checkpoint.reader import load_state, newest_verified, read_manifest_dir, verify_dir
-from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
 
 
@@ -73,3 +78,33 @@ def checkpoint_to_bin(src: Path, dst: Path) -> tuple[int, int]:
     state = load_state(step_dir, manifest=manifest)
     size, _ = write_seed_file(state, dst, source=str(step_dir))
     return manifest.step, size
+
+
+def adopt_seed_bin(
+    writer: CheckpointWriter,
+    src: Path,
+    *,
+    copy: bool,
+    samples_seen: int = 0,
+    world_size: int = 1,
+    extra: dict[str, Any] | None = None,
+) -> CommittedCheckpoint:
+    """Commit a seed .bin as checkpoint `step_<header step>` (moved in, or copied)."""
+    header = read_header(src)
+    size, sha256, fingerprint = hash_seed_file(src)
+    meta = CheckpointMeta(
+        step=header.step,
+        samples_seen=samples_seen,
+        world_size=world_size,
+        epoch=0,
+        batch_in_epoch=0,
+        fingerprint=fingerprint,
+        extra={"n_params": header.n_params, **(extra or {})},
+    )
+    return writer.adopt_files(
+        {seed_bin_name(header.step): Path(src)},
+        meta=meta,
+        format=FORMAT_SEED_BIN,
+        copy=copy,
+        digests={seed_bin_name(header.step): (size, sha256)},
+    )

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import re
 
+from runner.atomicity.temp import TMP_PREFIX
+
+__all__ = ["TMP_PREFIX"]  # re-exported: the run dir's temp names (runner.atomicity.temp)
+
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_NAME = "manifest.json"
-TMP_PREFIX = ".tmp-"
 LOSS_FILE = "loss.jsonl"
 # The manifest field naming a mirror upload's attempt directory (runner.mirror.remote_layout):
 # defined here so that readers below the mirror layer can strip it.

@@ -20,18 +20,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from runner.metrics.server import MetricsServer, maybe_serve_metrics, serve_metrics
-
 __all__ = [
     "DURATION_BUCKETS",
     "FAILURE_STAGES",
     "LOCAL",
     "NOTICE_SOURCES",
     "REMOTE",
-    "MetricsServer",
     "RunnerMetrics",
-    "maybe_serve_metrics",
-    "serve_metrics",
 ]
 
 LOCAL = "local"

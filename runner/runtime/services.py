@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.config import RunConfig
-from runner.metrics.registry import RunnerMetrics, maybe_serve_metrics
+from runner.metrics.registry import RunnerMetrics
+from runner.metrics.server import maybe_serve_metrics
 from runner.preemption.notices import start_notice_poller
 from runner.preemption.stop import StopController
 

@@ -29,6 +29,7 @@ import torch
 
 from runner.errors import ConfigError, IntegrityError, SchemaError
 from runner.state import rng
+from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint as fingerprint_of
 from runner.state.sampler import ResumableSampler
 from runner.state.worldsize import (
@@ -40,32 +41,7 @@ from runner.state.worldsize import (
 log = logging.getLogger(__name__)
 
 TRAIN_STATE_SCHEMA = "2"
-COUNTER_FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "world_size")
 _REQUIRED = ("model", "param_names", "optimizer", "counters")
-
-
-@dataclass(kw_only=True)
-class Counters:
-    """Where a run stands. `step` counts completed optimizer updates."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    samples_seen: int = 0
-    world_size: int = 1
-
-    def to_dict(self) -> dict[str, int]:
-        return {name: int(getattr(self, name)) for name in COUNTER_FIELDS}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Counters:
-        try:
-            values = {name: int(data[name]) for name in COUNTER_FIELDS}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise IntegrityError(f"train state: counters are malformed ({exc!r})") from exc
-        if any(v < 0 for v in values.values()) or values["world_size"] < 1:
-            raise IntegrityError(f"train state: counters out of range: {values}")
-        return cls(**values)
 
 
 @dataclass(kw_only=True)

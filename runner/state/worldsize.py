@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from runner.errors import ConfigError
 
 if TYPE_CHECKING:
-    from runner.state.train_state import Counters
+    from runner.state.counters import Counters
 
 log = logging.getLogger(__name__)
 

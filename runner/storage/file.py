@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from runner.atomicity.files import HashingFileWriter, fsync_dir, read_chunks, temp_path_for
-from runner.checkpoint.layout import TMP_PREFIX
+from runner.atomicity.temp import TMP_PREFIX
 from runner.errors import (
     IntegrityError,
     RunnerError,

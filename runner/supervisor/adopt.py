@@ -211,12 +211,13 @@ class SeedAdopter:
     def adopt(self, path: Path, *, judged: str = "") -> Adopted | None:
         """Check and commit one seed file; None (and the file set aside) when it is bad.
         `judged` says when it was checked, for the log."""
-        from runner.checkpoint.formats import seedbin  # imports torch: only once a trainer saves
+        from runner.checkpoint import convert  # imports torch: only once a trainer saves
+        from runner.checkpoint.formats import seedbin
 
         start = time.monotonic()
         try:
             seedbin.read_header(path)
-            checkpoint = seedbin.adopt_seed_bin(
+            checkpoint = convert.adopt_seed_bin(
                 self.writer, path, copy=False, extra={"adopted_by": "runner run"}
             )
         except IntegrityError as exc:

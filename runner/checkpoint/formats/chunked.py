@@ -23,7 +23,7 @@ from runner.checkpoint.manifest import check_relative_path
 from runner.errors import IntegrityError
 
 if TYPE_CHECKING:
-    from runner.checkpoint.writer import Staging
+    from runner.checkpoint.staging import Staging
 
 INDEX_NAME = "index.json"
 SKELETON_NAME = "skeleton.pt"

@@ -23,14 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.atomicity.files import HashingFileWriter, read_chunks
-from runner.checkpoint.layout import parse_seed_bin, seed_bin_name
-from runner.checkpoint.manifest import FORMAT_SEED_BIN
+from runner.checkpoint.layout import parse_seed_bin
 from runner.errors import IntegrityError, SchemaError
 
 if TYPE_CHECKING:
     import torch
 
-    from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 
 HEADER = struct.Struct("<ii")
 INT32_MAX = 2**31 - 1
@@ -92,38 +90,6 @@ def hash_seed_file(path: Path) -> tuple[int, str, str]:
             body.update(memoryview(chunk)[skip:])
             size += len(chunk)
     return size, whole.hexdigest(), body.hexdigest()
-
-
-def adopt_seed_bin(
-    writer: CheckpointWriter,
-    src: Path,
-    *,
-    copy: bool,
-    samples_seen: int = 0,
-    world_size: int = 1,
-    extra: dict[str, Any] | None = None,
-) -> CommittedCheckpoint:
-    """Commit a seed .bin as checkpoint `step_<header step>` (moved in, or copied)."""
-    from runner.checkpoint.writer import CheckpointMeta
-
-    header = read_header(src)
-    size, sha256, fingerprint = hash_seed_file(src)
-    meta = CheckpointMeta(
-        step=header.step,
-        samples_seen=samples_seen,
-        world_size=world_size,
-        epoch=0,
-        batch_in_epoch=0,
-        fingerprint=fingerprint,
-        extra={"n_params": header.n_params, **(extra or {})},
-    )
-    return writer.adopt_files(
-        {seed_bin_name(header.step): Path(src)},
-        meta=meta,
-        format=FORMAT_SEED_BIN,
-        copy=copy,
-        digests={seed_bin_name(header.step): (size, sha256)},
-    )
 
 
 # -- train state -> seed --------------------------------------------------------------------
