@@ -21,8 +21,8 @@ import torch
 
 from runner.checkpoint.reader import verify_dir
 from runner.checkpoint.sidecars import LossLog
-from tests.cli.test_metrics_cli import scrape, value
 from tests.fixtures.demo_process import checkpoint_steps, demo_cmd, run_demo, wait_for_step
+from tests.fixtures.metrics_scrape import scrape, value
 from tests.fixtures.prometheus import free_port
 
 

@@ -12,8 +12,8 @@ from runner.checkpoint.orphans import find_orphans, sweep_orphans
 from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
 from runner.mirror import Mirror, upload_checkpoint
 from runner.storage import Storage, open_storage
-from tests.cli.test_mirror_cli import runner
-from tests.mirror.test_mirror import make_checkpoint
+from tests.fixtures.ckpt import make_checkpoint
+from tests.fixtures.cli_process import runner
 
 LOST_RACE = "checkpoints/step_000010/up-dead-pod-0123456789/weights.bin"
 KILLED_UPLOAD = "checkpoints/step_000015/up-dead-pod-abcdef0123/weights.bin"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.aws_env import isolated_aws_env
+from tests.fixtures.ckpt import make_checkpoint
 from tests.fixtures.s3 import SeaweedS3
-from tests.mirror.test_mirror import make_checkpoint
 
 CANARY = "canary-Secret-7f3a91"
 # passwords that end a naive userinfo match early: the canary follows the '@', space,

@@ -13,15 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from urllib.parse import urlparse
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from tests.fixtures.metrics_scrape import Sample, scrape, value
 
 # A seed-format trainer (DESIGN.md, Supervisor): 4 parameters, a step every 0.2 s, a
 # step_NNNNNN.bin every 5 steps, written under a temp name and renamed. It stops at a step
@@ -59,23 +56,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def scrape(port: int) -> Sample | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
-    except (urllib.error.URLError, ConnectionError):
-        return None
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(sample: Sample, name: str, **labels: str) -> float | None:
-    return sample.get((name, tuple(sorted(labels.items()))))
 
 
 class Scraper:

@@ -5,27 +5,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from runner.checkpoint.layout import checkpoint_key
 from runner.console.progress import transfer_progress
+from tests.fixtures.ckpt import make_checkpoint
+from tests.fixtures.cli_process import runner
 from tests.fixtures.s3 import SeaweedS3
-from tests.mirror.test_mirror import make_checkpoint
-
-
-def runner(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.mark.e2e

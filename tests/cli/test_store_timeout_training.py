@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.demo_process import demo_cmd
-from tests.storage.test_store_budget import START_MARGIN_S, FakeStore, env_for
+from tests.fixtures.fake_store import START_MARGIN_S, FakeStore, env_for
 
 
 def test_fake_500_store_demo_store_timeout_reaches_the_mirror_and_later_uploads_are_tried(

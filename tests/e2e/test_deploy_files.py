@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.test_k8s_manifests import cli_env_vars
+from tests.fixtures.cli_options import cli_env_vars
 from tests.fixtures.docker import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"

@@ -11,13 +11,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import click
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from runner.cli.main import cli
+from tests.fixtures.cli_options import cli_env_vars
 from tests.fixtures.docker import K8S_DIR, find_resource, render_overlay
 
 K8S_VERSION = "1.30.0"
@@ -238,15 +237,6 @@ def test_job_lands_on_spot_nodes_of_every_common_provider(overlay: str) -> None:
         for value in e["values"]
     }
     assert selected == set(SPOT_LABELS.items())
-
-
-def cli_env_vars(subcommand: str = "demo") -> set[str]:
-    """Every RUNNER_* variable `runner SUBCOMMAND` reads (its click options' envvars)."""
-    command = cli.get_command(click.Context(cli), subcommand)
-    assert command is not None, f"no subcommand {subcommand!r}"
-    names = {p.envvar for p in command.params if isinstance(p.envvar, str)}
-    assert names, f"runner {subcommand} has no options with env vars"
-    return names
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -26,8 +26,8 @@ import pytest
 from runner.checkpoint.reader import verify_dir
 from runner.metrics.registry import RunnerMetrics
 from runner.metrics.server import ServerLimits, serve_metrics
-from tests.cli.test_metrics_cli import scrape, value
 from tests.fixtures.demo_process import checkpoint_steps, demo_cmd, logged_steps, wait_for_step
+from tests.fixtures.metrics_scrape import scrape, value
 from tests.fixtures.prometheus import free_port
 
 PROCESS_FD_LIMIT = 1024

@@ -4,7 +4,6 @@ background uploads."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -15,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.layout import checkpoint_key, manifest_key
-from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
+from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint, verify_dir
-from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import IntegrityError, StorageConflictError
 from runner.mirror import (
     Mirror,
@@ -29,36 +28,12 @@ from runner.mirror import (
 from runner.mirror.remote_layout import ATTEMPT_FIELD, to_local
 from runner.storage import Storage, open_storage
 from runner.storage.s3 import MiB
+from tests.fixtures.ckpt import make_checkpoint
 
 
 @pytest.fixture
 def remote(any_storage: Storage) -> Storage:
     return any_storage
-
-
-def make_checkpoint(
-    run_dir: Path, step: int, *, size: int = 300_000, seed: int = 0, writer: str = "pod-a"
-) -> CommittedCheckpoint:
-    """A committed checkpoint with two payload files of deterministic pseudo-random bytes."""
-    payload = hashlib.sha256(f"{step}-{seed}".encode()).digest() * (size // 32 + 1)
-    src = run_dir / f"src-{step}-{seed}"
-    src.mkdir(parents=True, exist_ok=True)
-    (src / "weights.bin").write_bytes(payload[:size])
-    (src / "extra.json").write_bytes(b'{"step": %d}' % step)
-    meta = CheckpointMeta(
-        step=step,
-        samples_seen=step * 8,
-        world_size=1,
-        epoch=0,
-        batch_in_epoch=step,
-        fingerprint=hashlib.sha256(payload[:size]).hexdigest(),
-    )
-    writer = CheckpointWriter(run_dir / "checkpoints", run_id="run-1", writer_id=writer)
-    return writer.adopt_files(
-        {"weights.bin": src / "weights.bin", "extra.json": src / "extra.json"},
-        meta=meta,
-        format=FORMAT_SEED_BIN,
-    )
 
 
 def flip_byte(storage: Storage, key: str, tmp: Path) -> None:

@@ -11,7 +11,7 @@ from runner.checkpoint.reader import list_checkpoints
 from runner.mirror import Mirror
 from runner.storage.base import ProgressCallback
 from runner.storage.file import FileStorage
-from tests.mirror.test_mirror import make_checkpoint
+from tests.fixtures.ckpt import make_checkpoint
 
 
 class FakeSlowStore(FileStorage):

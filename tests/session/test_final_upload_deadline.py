@@ -15,8 +15,8 @@ import pytest
 
 from runner.mirror import Mirror
 from runner.storage.s3 import S3Storage
-from tests.mirror.test_mirror import make_checkpoint
-from tests.storage.test_store_budget import FakeStore, env_for
+from tests.fixtures.ckpt import make_checkpoint
+from tests.fixtures.fake_store import FakeStore, env_for
 
 DEADLINE_S = 8.0
 

@@ -19,6 +19,7 @@ from runner.metrics.registry import RunnerMetrics
 from runner.mirror import Mirror, resolve_resume, upload_checkpoint
 from runner.storage.retry import RetryPolicy
 from runner.storage.s3 import MiB, S3Storage, TransferSettings
+from tests.fixtures.ckpt import make_checkpoint
 from tests.fixtures.fault_proxy import (
     CUT_RESPONSE,
     DROP_MID_BODY,
@@ -28,7 +29,6 @@ from tests.fixtures.fault_proxy import (
     Request,
 )
 from tests.fixtures.s3 import SeaweedS3
-from tests.mirror.test_mirror import make_checkpoint
 
 pytestmark = pytest.mark.e2e
 

@@ -23,103 +23,9 @@ import pytest
 from runner.errors import StorageTimeoutError, StorageTransientError
 from runner.storage.retry import RetryPolicy, store_deadline
 from runner.storage.s3 import MiB, S3Storage, TransferSettings
-from tests.fixtures.aws_env import isolated_aws_env
+from tests.fixtures.ckpt import make_checkpoint
+from tests.fixtures.fake_store import START_MARGIN_S, FakeStore, env_for
 from tests.fixtures.s3 import SeaweedS3
-from tests.mirror.test_mirror import make_checkpoint
-
-# Process start-up (imports, boto3 client) on a loaded 2-core machine, on top of the budget.
-START_MARGIN_S = 10.0
-
-_500_BODY = b"<Error><Code>InternalError</Code><Message>try later</Message></Error>"
-
-
-class FakeStore:
-    """A loopback HTTP server that reads each request and then either never answers
-    ("hang") or answers 500 InternalError after `delay` seconds ("slow-500"). With `listing`,
-    a ListObjectsV2 request is answered 200 with those keys instead."""
-
-    def __init__(self, mode: str, *, delay: float = 0.0, listing: list[str] | None = None) -> None:
-        self.mode = mode
-        self.delay = delay
-        self.listing = listing
-        self.requests = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._closed = threading.Event()
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True, name="fake-store").start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-
-    def close(self) -> None:
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.close()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        reader = conn.makefile("rb")
-        with contextlib.suppress(OSError, ValueError):
-            while True:
-                length = 0
-                request_line = reader.readline()
-                if not request_line:
-                    return
-                while True:
-                    line = reader.readline()
-                    if not line:
-                        return
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                    if line in (b"\r\n", b"\n"):
-                        break
-                reader.read(length)
-                self.requests += 1
-                if self.listing is not None and b"list-type=2" in request_line:
-                    body = _listing(self.listing)
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\n"
-                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                        + body
-                    )
-                    continue
-                if self.mode == "hang":
-                    self._closed.wait()
-                    return
-                time.sleep(self.delay)
-                # a HEAD answer has the headers only: a body would be read as the next answer
-                body = b"" if request_line.startswith(b"HEAD ") else _500_BODY
-                conn.sendall(
-                    b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
-                    + f"Content-Length: {len(_500_BODY)}\r\n\r\n".encode()
-                    + body
-                )
-
-
-def _listing(keys: list[str]) -> bytes:
-    contents = "".join(
-        f"<Contents><Key>{key}</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
-        f'<ETag>"0"</ETag><Size>100</Size><StorageClass>STANDARD</StorageClass></Contents>'
-        for key in keys
-    )
-    return (
-        '<?xml version="1.0" encoding="UTF-8"?>'
-        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
-        f"<Name>bucket</Name><KeyCount>{len(keys)}</KeyCount><MaxKeys>1000</MaxKeys>"
-        f"<IsTruncated>false</IsTruncated>{contents}</ListBucketResult>"
-    ).encode()
 
 
 @pytest.fixture
@@ -134,10 +40,6 @@ def slow_500_store() -> Iterator[FakeStore]:
     store = FakeStore("slow-500", delay=1.0)
     yield store
     store.close()
-
-
-def env_for(endpoint: str, **extra: str) -> dict[str, str]:
-    return isolated_aws_env(AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL_S3=endpoint, **extra)
 
 
 def timed_runner(

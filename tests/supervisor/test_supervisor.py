@@ -4,13 +4,11 @@ C (no PyTorch) that writes seed-format .bin checkpoints."""
 from __future__ import annotations
 
 import os
-import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,72 +19,10 @@ from runner.checkpoint.formats.seedbin import expected_size, read_header
 from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
 from runner.storage.file import FileStorage
 from tests.fixtures.metadata_server import FakeCloud
+from tests.fixtures.supervised import Supervised
 
 REPO = Path(__file__).resolve().parents[2]
 N_PARAMS = 64
-
-
-class Supervised:
-    """`runner -v run ...` as a subprocess, its stdout/stderr collected line by line."""
-
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runner", "-v", "run", *args],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self._threads = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _read(self, stream: object, sink: list[str]) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            sink.append(line.rstrip("\n"))
-            if sink is self.stdout:
-                self.lines.put(line.rstrip("\n"))
-
-    def expect(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
-        """Wait for a stdout line matching `pattern` (consumes lines up to it)."""
-        end = time.monotonic() + timeout
-        while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no line matching {pattern!r}; stderr:\n" + self.err)
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            match = re.search(pattern, line)
-            if match:
-                return match
-
-    def wait(self, timeout: float = 30.0) -> int:
-        code = self.proc.wait(timeout)
-        for t in self._threads:
-            t.join(5)
-        return code
-
-    @property
-    def out(self) -> str:
-        return "\n".join(self.stdout)
-
-    @property
-    def err(self) -> str:
-        return "\n".join(self.stderr)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

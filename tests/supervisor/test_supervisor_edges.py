@@ -19,7 +19,7 @@ import pytest
 
 from runner.checkpoint.reader import list_checkpoints
 from runner.storage.file import FileStorage
-from tests.supervisor.test_supervisor import Supervised
+from tests.fixtures.supervised import Supervised
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = [sys.executable, str(REPO / "tests" / "trainers" / "edge_trainer.py")]
