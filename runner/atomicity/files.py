@@ -8,14 +8,13 @@ import ctypes
 import hashlib
 import os
 import sys
-import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
-from runner.atomicity.temp import TMP_PREFIX
+from runner.atomicity.temp import temp_path
 
 CHUNK = 8 * 1024 * 1024
 # Writes at least this big are hashed on a helper thread while the caller writes them to the
@@ -67,11 +66,6 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def temp_path_for(final: Path) -> Path:
-    """Unique temp name in the same directory (same filesystem, so rename is atomic)."""
-    return final.with_name(f"{TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-
-
 class HashingFileWriter:
     """A write-only binary file that computes sha256 and size as bytes go by.
 
@@ -81,7 +75,7 @@ class HashingFileWriter:
 
     def __init__(self, final: Path, *, parallel_hash: bool = True) -> None:
         self.final = final
-        self.temp = temp_path_for(final)
+        self.temp = temp_path(final)
         self._file: BinaryIO = open(self.temp, "xb")  # noqa: SIM115 - closed in commit/abort
         self._hash = hashlib.sha256()
         self._parallel = parallel_hash

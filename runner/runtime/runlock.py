@@ -46,6 +46,7 @@ from types import TracebackType
 from typing import Any
 
 from runner.errors import ConfigError, RunDirLockedError
+from runner.system.pids import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -287,24 +288,14 @@ def _read_holder_waiting(fd: int) -> Holder:
 def _is_our_supervisor(holder: Holder, token: str) -> bool:
     if holder.token is None or not secrets.compare_digest(holder.token, token):
         return False
-    return holder.host == socket.gethostname() and holder.pid is not None and _alive(holder.pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return holder.host == socket.gethostname() and holder.pid is not None and pid_alive(holder.pid)
 
 
 def _locked_message(path: Path, holder: Holder) -> str:
     run_dir = path.parent
     here = socket.gethostname()
     hint = ""
-    if holder.pid is not None and holder.host == here and not _alive(holder.pid):
+    if holder.pid is not None and holder.host == here and not pid_alive(holder.pid):
         hint = (
             f" pid {holder.pid} is no longer running, so a process it started still holds "
             f"the lock (`fuser -v {path}` names it)."

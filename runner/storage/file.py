@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from runner.atomicity.files import HashingFileWriter, fsync_dir, read_chunks, temp_path_for
-from runner.atomicity.temp import TMP_PREFIX
+from runner.atomicity.files import HashingFileWriter, fsync_dir, read_chunks
+from runner.atomicity.temp import is_temp_name, temp_path
 from runner.errors import (
     IntegrityError,
     RunnerError,
@@ -139,7 +139,7 @@ class FileStorage:
                     writer.commit()
                 return
             # create-only: link() refuses an existing name atomically, unlike rename()
-            temp = temp_path_for(dst)
+            temp = temp_path(dst)
             try:
                 with open(temp, "xb") as f:
                     f.write(data)
@@ -224,9 +224,9 @@ class FileStorage:
             self._check_no_symlink(directory)
         for dirpath, dirnames, filenames in os.walk(base):
             # in-progress writes are invisible to readers
-            dirnames[:] = [d for d in dirnames if not d.startswith(TMP_PREFIX)]
+            dirnames[:] = [d for d in dirnames if not is_temp_name(d)]
             for name in filenames:
-                if name.startswith(TMP_PREFIX):
+                if is_temp_name(name):
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(base).as_posix()
