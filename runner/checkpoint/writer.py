@@ -17,9 +17,8 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
@@ -29,8 +28,10 @@ from runner.atomicity.files import (
     fsync_dir,
     read_chunks,
 )
+from runner.atomicity.publish import Existing, publish_dir
+from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp, temp_name
 from runner.checkpoint.aside import CORRUPT, set_aside_local
-from runner.checkpoint.layout import MANIFEST_NAME, TMP_PREFIX, parse_step_dir, step_dir_name
+from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from runner.checkpoint.manifest import FORMAT_SHARDED, FORMAT_TORCH, Manifest
 from runner.checkpoint.payload import with_schema
 from runner.checkpoint.reader import STATE_FILE, verify_dir
@@ -39,7 +40,6 @@ from runner.errors import (
     CheckpointConflictError,
     ConfigError,
     IntegrityError,
-    RunnerError,
     SchemaError,
 )
 
@@ -179,17 +179,13 @@ class CheckpointWriter:
             return removed
         now = time.time()
         for entry in self.ckpt_dir.iterdir():
-            if not entry.name.startswith(TMP_PREFIX):
+            if not is_temp_name(entry.name):
                 continue
             with _IN_FLIGHT_LOCK:
                 if str(entry.absolute()) in _IN_FLIGHT:
                     continue
-            pid = _owner_pid(entry.name)
-            idle = now - _last_modified(entry)
-            mine = pid == os.getpid()
-            dead = pid is not None and not mine and not _pid_alive(pid)
-            if mine or (dead and idle > self.stale_seconds) or idle > 10 * self.stale_seconds:
-                _remove(entry)
+            if is_stale_temp(entry, stale_seconds=self.stale_seconds, now=now):
+                remove_temp(entry)
                 removed.append(entry)
                 log.info("removed partial checkpoint leftover %s", entry)
         return removed
@@ -198,8 +194,7 @@ class CheckpointWriter:
 
     @contextmanager
     def _staging(self, step: int) -> Iterator[Staging]:
-        name = f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        path = self.ckpt_dir / name
+        path = self.ckpt_dir / temp_name(step_dir_name(step))
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.add(str(path.absolute()))
@@ -243,37 +238,24 @@ class CheckpointWriter:
         schema this runner cannot read, it stays and ours is set aside (CheckpointConflictError).
         Only one that fails verification is replaced, and it is set aside first (rename
         cannot replace a non-empty dir), never deleted."""
-        for _ in range(3):  # a concurrent writer of the same step may win a race
+        kept: list[Manifest] = []  # what the policy found there and kept
+        replaced: list[tuple[IntegrityError, Path]] = []  # why it was set aside, and where
+
+        def on_existing(path: Path) -> Existing:
             try:
-                os.rename(staged, final)
-            except OSError:
-                if not final.exists():
-                    raise
-            else:
-                fsync_dir(self.ckpt_dir)
-                return manifest
-            try:
-                existing = verify_dir(final)
+                existing = verify_dir(path)
             except SchemaError as exc:
                 self._refuse(staged, final, f"it is of a kind this runner does not read ({exc})")
             except IntegrityError as exc:
-                try:
-                    aside = set_aside_local(self.ckpt_dir.parent, final, reason=CORRUPT)
-                except FileNotFoundError:
-                    continue
-                os.rename(staged, final)
-                fsync_dir(self.ckpt_dir)
-                log.warning(
-                    "replaced %s, which failed verification (%s), with a new save; the corrupt "
-                    "copy is kept as %s",
-                    final,
-                    exc,
-                    aside,
-                )
-                return manifest
+                with suppress(FileNotFoundError):  # gone meanwhile: the rename is tried again
+                    replaced.append(
+                        (exc, set_aside_local(self.ckpt_dir.parent, path, reason=CORRUPT))
+                    )
+                return Existing.MOVED
             if existing.fingerprint and existing.fingerprint == manifest.fingerprint:
                 log.info("%s already holds this state; discarding the duplicate", final)
-                return existing
+                kept.append(existing)
+                return Existing.KEEP
             self._refuse(
                 staged,
                 final,
@@ -281,7 +263,19 @@ class CheckpointWriter:
                 f"{existing.fingerprint[:12] or '(none)'}, this save "
                 f"{manifest.fingerprint[:12] or '(none)'})",
             )
-        raise RunnerError(f"could not commit {final}: another writer keeps replacing it")
+
+        if not publish_dir(staged, final, on_existing=on_existing):
+            return kept[-1]
+        if replaced:
+            exc, aside = replaced[-1]
+            log.warning(
+                "replaced %s, which failed verification (%s), with a new save; the corrupt "
+                "copy is kept as %s",
+                final,
+                exc,
+                aside,
+            )
+        return manifest
 
     def _refuse(self, staged: Path, final: Path, why: str) -> NoReturn:
         kept = set_aside_local(
@@ -294,45 +288,6 @@ class CheckpointWriter:
             "`runner ls --verify` and use another --run-dir for a new run",
             kept=kept,
         )
-
-
-def _owner_pid(name: str) -> int | None:
-    """`.tmp-<target>-<pid>-<uuid>`: the pid is the first all-digit field after the target."""
-    parts = name[len(TMP_PREFIX) :].split("-")
-    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _last_modified(path: Path) -> float:
-    """Newest mtime of the entry and, for a dir, its direct children (a file growing inside a
-    dir does not touch the dir's own mtime)."""
-    try:
-        newest = path.stat().st_mtime
-        if path.is_dir():
-            for child in path.iterdir():
-                try:
-                    newest = max(newest, child.stat().st_mtime)
-                except FileNotFoundError:
-                    continue
-    except FileNotFoundError:
-        return time.time()
-    return newest
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def committed_steps(ckpt_dir: Path) -> list[int]:
