@@ -7,10 +7,16 @@ import math
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from runner.errors import ConfigError
+from runner.storage.limits import (
+    DEFAULT_STORE_TIMEOUT_S,
+    MAX_STORE_TIMEOUT_S,
+    MIN_STORE_TIMEOUT_S,
+)
 
 NOTICE_SOURCES = ("off", "auto", "aws", "gcp", "azure")
 
@@ -48,12 +54,26 @@ class RunConfig:
     """Override the metadata endpoint base URL (tests, proxies)."""
     max_restarts: int = 3
     """Supervisor: crashes restarted with backoff before giving up."""
+    restart_backoff: float = 1.0
+    """Supervisor: seconds before the first restart, doubled each time (at most 60 s)."""
+    store_timeout: float = DEFAULT_STORE_TIMEOUT_S
+    """Seconds a store call (the s3:// mirror) keeps trying while the store fails or does not
+    answer; a training run's mirror still tries its later uploads after one gave up."""
     seed: int = 0
     fresh_start: bool = False
     """Only when checkpoints exist and none can be used: set them aside (kept) and start at
     step 0 instead of refusing (exit 3). Never discards a usable checkpoint."""
     device: str = "auto"
     writer_id: str = field(default_factory=default_writer_id)
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of field `name`: the CLI's options take theirs from here, so a default
+        lives once."""
+        for f in fields(cls):
+            if f.name == name and f.default is not MISSING:
+                return f.default
+        raise KeyError(f"RunConfig.{name} has no plain default")
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -86,6 +106,13 @@ class RunConfig:
             raise ConfigError("--notice-poll-seconds must be > 0")
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
+        if self.restart_backoff < 0:
+            raise ConfigError(f"--restart-backoff must be >= 0 (got {self.restart_backoff})")
+        if self.store_timeout < MIN_STORE_TIMEOUT_S:
+            raise ConfigError(
+                f"--store-timeout must be >= {_number(MIN_STORE_TIMEOUT_S)} "
+                f"(got {_number(self.store_timeout)})"
+            )
         # torch.manual_seed's range; beyond it the seeding raises deep inside the job
         if not -(1 << 63) <= self.seed < (1 << 64):
             raise ConfigError(f"--seed must fit in 64 bits (got {self.seed})")
@@ -116,6 +143,8 @@ MAXIMA: dict[str, float] = {
     "grace_seconds": 86_400.0,  # a day; Kubernetes and clouds give minutes
     "notice_poll_seconds": 3_600.0,
     "max_restarts": 1_000,  # each restart doubles a backoff: 2.0**1000 is still a float
+    "restart_backoff": 3_600.0,
+    "store_timeout": MAX_STORE_TIMEOUT_S,
 }
 
 

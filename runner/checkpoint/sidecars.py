@@ -66,9 +66,13 @@ class LossLog:
         *,
         attempt: str | None = None,
         on_failure: Callable[[], None] | None = None,
+        writes: bool = True,
     ) -> None:
+        """`writes=False`: a reader only (a rank that leaves the loss history to the primary);
+        appends, resume markers and syncs then do nothing."""
         self.path = Path(run_dir) / LOSS_FILE
         self.attempt = attempt
+        self.writes = writes
         self._on_failure = on_failure
         self._fd: int | None = None
         self._needs_newline = False
@@ -96,6 +100,8 @@ class LossLog:
 
     def _write(self, record: dict[str, Any]) -> bool:
         """Append one line (after any the disk refused before); False when it is pending."""
+        if not self.writes:
+            return True
         if len(self._pending) >= self.MAX_PENDING:
             self._pending.popleft()
             self._dropped += 1
@@ -192,6 +198,8 @@ class LossLog:
         """
         if step < 0:
             raise ValueError(f"resume step must be >= 0, got {step}")
+        if not self.writes:
+            return False
         current = self.read()
         if not any(s > step for s in current):
             return False

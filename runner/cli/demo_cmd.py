@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -15,19 +16,13 @@ from runner.config import RunConfig
 from runner.errors import IntegrityError
 
 
-def config_from_options(**kwargs: Any) -> RunConfig:
-    """RunConfig from the shared run options (unknown keys are left to the caller)."""
-    names = {f.name for f in dataclasses.fields(RunConfig)}
-    return RunConfig(**{k: v for k, v in kwargs.items() if k in names and v is not None})
-
-
 @click.command()
 @options.run_options
 @click.option("--batch-size", envvar="RUNNER_BATCH_SIZE", type=int, default=16, show_default=True)
 @click.option(
     "--device",
     envvar="RUNNER_DEVICE",
-    default="auto",
+    default=RunConfig.default("device"),
     show_default=True,
     help="auto (CUDA when present), cpu or cuda[:N].",
 )
@@ -64,8 +59,11 @@ def demo(
     SIGTERM/SIGINT: finish the step, commit the final checkpoint, exit 75.
     SIGUSR1: checkpoint at the end of the current step and keep training."""
     from runner.runtime import runlock
+    from runner.runtime.rank import RankContext
 
-    config = config_from_options(**kwargs)
+    config = options.config_from_options(**kwargs)
+    # torchrun's variables, read here with every other setting (carried, not acted on yet)
+    rank = RankContext.from_env(os.environ)
     # The run dir's lock before torch is imported (a second demo on it exits 2 in a fraction
     # of a second); TrainSession takes it again, sharing this process's hold.
     with runlock.acquire(config.run_dir, command="runner demo"):
@@ -80,6 +78,7 @@ def demo(
             progress=progress,
             threads=threads,
             supervised=bool(attempt),
+            rank=rank,
         )
     sys.exit(code)
 

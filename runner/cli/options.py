@@ -1,15 +1,19 @@
 """Click options defined once and shared by every command that takes them.
 
-Every option is also read from `RUNNER_<OPTION>` (DESIGN.md, CLI)."""
+Every option is also read from `RUNNER_<OPTION>` (DESIGN.md, CLI). The options of a RunConfig
+field take their default from RunConfig and leave their checks to it (one ConfigError, exit 2):
+`config_from_options` builds the config of `runner demo` and `runner run` alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
+from runner.config import NOTICE_SOURCES, RunConfig
 from runner.storage.limits import (
     DEFAULT_STORE_TIMEOUT_S,
     MAX_STORE_TIMEOUT_S,
@@ -79,132 +83,147 @@ run_dir = _opt(
 mirror = _opt(
     "--mirror",
     env="RUNNER_MIRROR",
-    default=None,
+    default=RunConfig.default("mirror"),
     help="Mirror checkpoints to s3://bucket/prefix, file:///abs/path or a directory path.",
 )
 steps = _opt(
-    "--steps", env="RUNNER_STEPS", type=int, default=None, help="Total optimizer steps of the run."
+    "--steps",
+    env="RUNNER_STEPS",
+    type=int,
+    default=RunConfig.default("steps"),
+    help="Total optimizer steps of the run.",
 )
 ckpt_every = _opt(
     "--ckpt-every",
     env="RUNNER_CKPT_EVERY",
     type=int,
-    default=100,
+    default=RunConfig.default("ckpt_every"),
     help="Checkpoint every N steps (0 disables).",
 )
 ckpt_every_seconds = _opt(
     "--ckpt-every-seconds",
     env="RUNNER_CKPT_EVERY_SECONDS",
     type=FINITE_FLOAT,
-    default=None,
+    default=RunConfig.default("ckpt_every_seconds"),
     help="Also checkpoint every T seconds, whichever first.",
 )
 keep = _opt(
     "--keep",
     env="RUNNER_KEEP",
     type=int,
-    default=3,
+    default=RunConfig.default("keep"),
     help="Checkpoints kept locally and remotely (>= 2).",
 )
 grace_seconds = _opt(
     "--grace-seconds",
     env="RUNNER_GRACE_SECONDS",
     type=FINITE_FLOAT,
-    default=110.0,
+    default=RunConfig.default("grace_seconds"),
     help="Budget from SIGTERM to exit for the final checkpoint and upload.",
 )
 metrics_port = _opt(
     "--metrics-port",
     env="RUNNER_METRICS_PORT",
     type=int,
-    default=0,
+    default=RunConfig.default("metrics_port"),
     help="Serve /metrics and /healthz on this port (0 disables).",
 )
 metrics_host = _opt(
     "--metrics-host",
     env="RUNNER_METRICS_HOST",
-    default="0.0.0.0",
+    default=RunConfig.default("metrics_host"),
     help="Address the metrics server binds: 0.0.0.0 every IPv4 interface (what a Prometheus "
     "scraping the pod IP needs), 127.0.0.1 this machine only, :: or ::1 for IPv6.",
 )
 notices = _opt(
     "--notices",
     env="RUNNER_NOTICES",
-    default="off",
-    type=click.Choice(["off", "auto", "aws", "gcp", "azure"]),
+    default=RunConfig.default("notices"),
+    metavar="[" + "|".join(NOTICE_SOURCES) + "]",  # checked by RunConfig
     help="Poll a cloud's preemption notice endpoint.",
 )
 notice_poll_seconds = _opt(
     "--notice-poll-seconds",
     env="RUNNER_NOTICE_POLL_SECONDS",
     type=FINITE_FLOAT,
-    default=5.0,
+    default=RunConfig.default("notice_poll_seconds"),
     help="Interval between preemption notice polls.",
 )
 notice_endpoint = _opt(
     "--notice-endpoint",
     env="RUNNER_NOTICE_ENDPOINT",
-    default=None,
+    default=RunConfig.default("notice_endpoint"),
     help="Override the metadata server base URL.",
 )
 max_restarts = _opt(
     "--max-restarts",
     env="RUNNER_MAX_RESTARTS",
     type=int,
-    default=3,
+    default=RunConfig.default("max_restarts"),
     help="Crashes restarted with backoff before giving up.",
 )
 restart_backoff = _opt(
     "--restart-backoff",
     env="RUNNER_RESTART_BACKOFF",
-    type=click.FloatRange(max=3600.0),
-    default=1.0,
+    type=float,
+    default=RunConfig.default("restart_backoff"),
     help="First delay before restarting a crashed trainer, doubled each time (max 60 s).",
 )
 
 
-def _store_timeout_option(*, give_up_once: bool) -> Callable[[F], F]:
-    """`--store-timeout`; the value reaches every location the command opens.
-    give_up_once: the command stops at its first store call that gave up (a one-shot
-    command); a training run mirrors for hours, so its later uploads are still tried."""
-
-    def apply(ctx: click.Context, param: click.Parameter, value: float) -> float:
-        from runner.storage import set_store_timeout  # no boto3: that loads with s3:// only
-
-        set_store_timeout(value, give_up_once=give_up_once)
-        ctx.call_on_close(lambda: set_store_timeout(None))  # embedding, tests: no leftover
-        return value
-
-    return _opt(
-        "--store-timeout",
-        env="RUNNER_STORE_TIMEOUT",
-        type=click.FloatRange(min=MIN_STORE_TIMEOUT_S, max=MAX_STORE_TIMEOUT_S),
-        default=DEFAULT_STORE_TIMEOUT_S,
-        callback=apply,
-        expose_value=False,
-        is_eager=True,
-        metavar="SECONDS",
-        help=(
-            "Give up on a store call (S3) that keeps failing or never answers for this long; "
-            "a transfer that keeps moving bytes is never cut."
-        ),
-    )
+STORE_TIMEOUT_HELP = (
+    "Give up on a store call (S3) that keeps failing or never answers for this long; "
+    "a transfer that keeps moving bytes is never cut."
+)
 
 
-store_timeout = _store_timeout_option(give_up_once=True)
-"""For the one-shot commands that talk to a store (ls, verify, pull, ...)."""
-training_store_timeout = _store_timeout_option(give_up_once=False)
-"""For `runner demo` and `runner run` (in run_options)."""
+def _apply_store_timeout(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    from runner.storage import set_store_timeout  # no boto3: that loads with s3:// only
+
+    set_store_timeout(value, give_up_once=True)
+    ctx.call_on_close(lambda: set_store_timeout(None))  # embedding, tests: no leftover
+    return value
+
+
+store_timeout = _opt(
+    "--store-timeout",
+    env="RUNNER_STORE_TIMEOUT",
+    type=click.FloatRange(min=MIN_STORE_TIMEOUT_S, max=MAX_STORE_TIMEOUT_S),
+    default=DEFAULT_STORE_TIMEOUT_S,
+    callback=_apply_store_timeout,
+    expose_value=False,
+    is_eager=True,
+    metavar="SECONDS",
+    help=STORE_TIMEOUT_HELP,
+)
+"""For the one-shot commands that talk to a store (ls, verify, pull, ...): the command stops
+at its first store call that gave up. The value reaches every location the command opens."""
+training_store_timeout = _opt(
+    "--store-timeout",
+    env="RUNNER_STORE_TIMEOUT",
+    type=float,
+    default=RunConfig.default("store_timeout"),
+    metavar="SECONDS",
+    help=STORE_TIMEOUT_HELP + f" {MIN_STORE_TIMEOUT_S:g} to {MAX_STORE_TIMEOUT_S:g} s.",
+)
+"""For `runner demo` and `runner run` (in run_options): RunConfig.store_timeout, checked
+there; their mirror keeps trying later uploads after a call gave up (hours of training)."""
 
 STEP = click.IntRange(min=0)
 """A checkpoint step (`--step N`): step 0 is the state before the first update."""
 
-seed = _opt("--seed", env="RUNNER_SEED", type=int, default=0, help="Random seed of the run.")
+seed = _opt(
+    "--seed",
+    env="RUNNER_SEED",
+    type=int,
+    default=RunConfig.default("seed"),
+    help="Random seed of the run.",
+)
 fresh_start = _opt(
     "--fresh-start",
     env="RUNNER_FRESH_START",
     is_flag=True,
-    default=False,
+    default=RunConfig.default("fresh_start"),
     help=(
         "When checkpoints exist but none can be resumed from, move them to RUN_DIR/aside/ "
         "(kept) and start at step 0 instead of refusing with exit 3. Ignored while a usable "
@@ -237,3 +256,10 @@ def run_options(func: F) -> F:
     ):
         func = decorator(func)
     return func
+
+
+def config_from_options(**params: Any) -> RunConfig:
+    """The RunConfig of `runner demo` and `runner run` from their option values (keys that are
+    no RunConfig field are the command's own, left out); RunConfig checks every value."""
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in params.items() if k in names and v is not None})

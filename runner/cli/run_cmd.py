@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from runner.cli import options
 from runner.config import RunConfig
+from runner.runtime.rank import SINGLE_PROCESS, RankContext
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
@@ -25,25 +27,7 @@ log = logging.getLogger(__name__)
 @options.max_restarts
 @options.restart_backoff
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(
-    command: tuple[str, ...],
-    run_dir: str,
-    mirror: str | None,
-    steps: int | None,
-    ckpt_every: int,
-    ckpt_every_seconds: float | None,
-    keep: int,
-    grace_seconds: float,
-    metrics_port: int,
-    metrics_host: str,
-    notices: str,
-    notice_poll_seconds: float,
-    notice_endpoint: str | None,
-    seed: int,
-    fresh_start: bool,
-    max_restarts: int,
-    restart_backoff: float,
-) -> None:
+def run(command: tuple[str, ...], **params: Any) -> None:
     """Supervise a trainer written in any language.
 
     The trainer gets RUNNER_RUN_DIR, RUNNER_CKPT_DIR, RUNNER_RESUME_FROM (the newest
@@ -66,28 +50,10 @@ def run(
     when its newest checkpoint was rejected (kept as .rejected) and no later one was
     committed.
     """
-    config = RunConfig(
-        run_dir=Path(run_dir),
-        mirror=mirror,
-        steps=steps,
-        ckpt_every=ckpt_every,
-        ckpt_every_seconds=ckpt_every_seconds,
-        keep=keep,
-        grace_seconds=grace_seconds,
-        metrics_port=metrics_port,
-        metrics_host=metrics_host,
-        notices=notices,
-        notice_poll_seconds=notice_poll_seconds,
-        notice_endpoint=notice_endpoint,
-        max_restarts=max_restarts,
-        seed=seed,
-        fresh_start=fresh_start,
-    )
-    if restart_backoff < 0:
-        from runner.errors import ConfigError
-
-        raise ConfigError(f"--restart-backoff must be >= 0 (got {restart_backoff})")
-    sys.exit(supervise(list(command), config=config, restart_backoff=restart_backoff))
+    config = options.config_from_options(**params)
+    # torchrun's variables, read here with every other setting (carried, not acted on yet)
+    rank = RankContext.from_env(os.environ)
+    sys.exit(supervise(list(command), config=config, rank=rank))
 
 
 # Not the demo's runs/demo: after `runner demo`, a trainer supervised with the default run dir
@@ -98,7 +64,12 @@ for _param in run.params:
         _param.default = RUN_DEFAULT_DIR
 
 
-def supervise(command: list[str], *, config: RunConfig, restart_backoff: float = 1.0) -> int:
+def supervise(
+    command: list[str],
+    *,
+    config: RunConfig,
+    rank: RankContext = SINGLE_PROCESS,
+) -> int:
     """Entry point body: signal handlers, notices, metrics and mirror around a Supervisor."""
     from runner.preemption.signals import install_signal_handlers
     from runner.preemption.stop import StopController
@@ -114,7 +85,7 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
     with contextlib.ExitStack() as stack:
         stack.callback(restore)
         stack.callback(controller.close)
-        services = stack.enter_context(run_services(config, controller))
+        services = stack.enter_context(run_services(config, controller, rank=rank))
         resolve = _resolver(config, services.mirror)
         code = Supervisor(
             command,
@@ -123,7 +94,7 @@ def supervise(command: list[str], *, config: RunConfig, restart_backoff: float =
             mirror=services.mirror,
             metrics=services.metrics,
             resolve_resume=resolve,
-            restart_backoff=restart_backoff,
+            restart_backoff=config.restart_backoff,
         ).run()
     return code
 

@@ -14,6 +14,7 @@ from runner.demo.display import ProgressDisplay
 from runner.errors import RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
+from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.session.train_session import TrainSession
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,11 @@ def run_demo(
     progress: bool | None,
     threads: int | None = None,
     supervised: bool = False,
+    rank: RankContext = SINGLE_PROCESS,
 ) -> int:
     """Train the demo model to `config.steps`, resuming if possible; returns the exit code.
-    `supervised`: run by `runner run`, whose resolution already logged every refusal."""
+    `supervised`: run by `runner run`, whose resolution already logged every refusal.
+    `rank`: this process's place in a launch (torchrun), handed to the session."""
     import torch
 
     if threads:
@@ -45,7 +48,7 @@ def run_demo(
             seed=config.seed, device=config.device, batch_size=batch_size, total_steps=total
         )
         with TrainSession(
-            config, state=components, stop=stop, refusals_reported=supervised
+            config, state=components, stop=stop, refusals_reported=supervised, rank=rank
         ) as session:
             if session.resumed_from is not None:
                 display.checkpoint(

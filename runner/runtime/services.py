@@ -16,6 +16,7 @@ from runner.metrics.registry import RunnerMetrics
 from runner.metrics.server import maybe_serve_metrics
 from runner.preemption.notices import start_notice_poller
 from runner.preemption.stop import StopController
+from runner.runtime.rank import SINGLE_PROCESS, RankContext
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
@@ -36,15 +37,22 @@ def make_mirror(config: RunConfig, metrics: RunnerMetrics | None) -> Mirror | No
     from runner.mirror import Mirror  # boto3 is imported only when a mirror is used
     from runner.storage import open_storage
 
-    return Mirror(
-        open_storage(config.mirror), keep=config.keep, writer_id=config.writer_id, metrics=metrics
-    )
+    # a run mirrors for hours: a store call that gave up does not stop later uploads
+    storage = open_storage(config.mirror, store_timeout_s=config.store_timeout, give_up_once=False)
+    return Mirror(storage, keep=config.keep, writer_id=config.writer_id, metrics=metrics)
 
 
 @contextlib.contextmanager
-def run_services(config: RunConfig, stop: StopController) -> Iterator[Services]:
+def run_services(
+    config: RunConfig, stop: StopController, *, rank: RankContext = SINGLE_PROCESS
+) -> Iterator[Services]:
     """Metrics served on `--metrics-port` (0: not served), the notice poller (`--notices`)
-    and the mirror; all stopped on exit, the mirror after its queued uploads."""
+    and the mirror; all stopped on exit, the mirror after its queued uploads. Only a process
+    that `acts_as_primary` runs them; any other gets an unserved registry and no mirror."""
+    # issue 12: a non-primary rank learns of a notice from the primary (a broadcast stop)
+    if not rank.acts_as_primary:
+        yield Services(metrics=RunnerMetrics(mirrored=False), mirror=None)
+        return
     metrics = RunnerMetrics(mirrored=config.mirror is not None)
     with contextlib.ExitStack() as stack:
         server = maybe_serve_metrics(metrics, host=config.metrics_host, port=config.metrics_port)

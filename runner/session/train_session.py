@@ -44,6 +44,7 @@ from runner.preemption.policy import SavePolicy
 from runner.preemption.startup import StartupInterrupted, run_interruptible
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
+from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
 from runner.state.train_state import Counters
 
@@ -81,12 +82,17 @@ class TrainSession:
         stop: StopController | None = None,
         services: Services | None = None,
         refusals_reported: bool = False,
+        rank: RankContext = SINGLE_PROCESS,
     ) -> None:
         """`services` (metrics, mirror) default to those the config asks for, started here:
         metrics served on `config.metrics_port`, notices polled, checkpoints mirrored.
+        `rank`: this process's place in a launch (the entry point reads it from torchrun's
+        variables); only a process that `acts_as_primary` runs services, writes the loss log,
+        prunes and keeps the seconds cadence.
         `refusals_reported`: a supervisor (`runner run`) already resolved this run dir and
         logged each checkpoint it refused; they are then logged at debug level only."""
         self.config = config
+        self.rank = rank
         self._refusals_reported = refusals_reported
         self.state = state
         self.stop = stop or StopController()
@@ -98,7 +104,7 @@ class TrainSession:
             runlock.acquire(Path(config.run_dir), command="TrainSession")
         )
         if services is None:
-            services = self._owned.enter_context(run_services(config, self.stop))
+            services = self._owned.enter_context(run_services(config, self.stop, rank=rank))
         self.metrics: RunnerMetrics | None = services.metrics
         self.mirror: Mirror | None = services.mirror
         self.run_dir = Path(config.run_dir)
@@ -108,12 +114,13 @@ class TrainSession:
         self.writer = CheckpointWriter(
             self.ckpt_dir, run_id=uuid.uuid4().hex[:16], writer_id=config.writer_id
         )
-        self.policy = SavePolicy(
-            every_steps=config.ckpt_every, every_seconds=config.ckpt_every_seconds
-        )
+        self.policy = self._policy(start_step=0)
         # a full disk never stops training for the loss history: counted, logged, retried
         self.loss_log = LossLog(
-            self.run_dir, attempt=config.writer_id, on_failure=self._loss_log_failed
+            self.run_dir,
+            attempt=config.writer_id,
+            on_failure=self._loss_log_failed,
+            writes=rank.acts_as_primary,  # issue 12: the primary logs the (all-reduced) loss
         )
         self.last_checkpoint: CommittedCheckpoint | None = None
         self.resumed_checkpoint: CommittedCheckpoint | None = None
@@ -310,9 +317,12 @@ class TrainSession:
         return max(0, max(logged, default=0) - resume_step)
 
     def _policy(self, *, start_step: int) -> SavePolicy:
+        # The seconds cadence is decided on the primary: wall clocks differ between ranks, and
+        # every rank must save the same step. issue 12: the others get its decision broadcast.
+        every_seconds = self.config.ckpt_every_seconds if self.rank.acts_as_primary else None
         return SavePolicy(
             every_steps=self.config.ckpt_every,
-            every_seconds=self.config.ckpt_every_seconds,
+            every_seconds=every_seconds,
             start_step=start_step,
         )
 
@@ -399,6 +409,8 @@ class TrainSession:
         from runner.checkpoint.retention import prune
         from runner.storage.file import FileStorage
 
+        if not self.rank.acts_as_primary:
+            return  # issue 12: the primary prunes once every rank's shards are committed
         protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
         try:
             prune(

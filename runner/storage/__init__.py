@@ -23,7 +23,8 @@ __all__ = [
     "store_timeout",
 ]
 
-# Set by the CLI's --store-timeout for the command being run; None: the documented default.
+# Set by the one-shot commands' --store-timeout (ls, verify, pull, ...) for the command being
+# run; None: the documented default. A training run passes its RunConfig's to open_storage.
 _store_timeout_s: float | None = None
 _give_up_once = False
 
@@ -52,13 +53,19 @@ def is_run_dir_path(location: str | Path) -> bool:
     return "://" not in str(location) and not str(location).startswith("file:")
 
 
-def open_storage(location: str | Path) -> Storage:
-    """`s3://bucket/prefix`, `file:///abs/path`, or a plain local path (a run dir)."""
+def open_storage(
+    location: str | Path, *, store_timeout_s: float | None = None, give_up_once: bool = False
+) -> Storage:
+    """`s3://bucket/prefix`, `file:///abs/path`, or a plain local path (a run dir).
+    `store_timeout_s`: a training run's (RunConfig.store_timeout), with `give_up_once` (False:
+    later calls are still tried); None: the one-shot command's, set by `set_store_timeout`."""
     text = str(location)
     if text.startswith("s3://"):
         from runner.storage.s3 import S3Storage  # boto3 is imported only when needed
 
-        return S3Storage.from_uri(text, store_timeout_s=store_timeout(), give_up_once=_give_up_once)
+        if store_timeout_s is None:
+            store_timeout_s, give_up_once = store_timeout(), _give_up_once
+        return S3Storage.from_uri(text, store_timeout_s=store_timeout_s, give_up_once=give_up_once)
     if text.startswith("file://"):
         parsed = urlparse(text)
         if parsed.netloc not in ("", "localhost"):

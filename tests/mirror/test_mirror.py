@@ -1,11 +1,10 @@
-"""Mirror protocol against file:// and a real SeaweedFS: upload (manifest last, verified),
-download (atomic, verified), resume from local or remote, two concurrent writers, retention,
-background uploads."""
+"""Mirror protocol against file:// and a real SeaweedFS: upload (verified; that the manifest
+goes last is proven call by call in test_upload_order.py), download (atomic, verified), resume
+from local or remote, two concurrent writers, retention, background uploads."""
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
@@ -26,7 +25,7 @@ from runner.mirror import (
     upload_checkpoint,
 )
 from runner.mirror.remote_layout import ATTEMPT_FIELD, to_local
-from runner.storage import Storage, open_storage
+from runner.storage import Storage
 from runner.storage.s3 import MiB
 from tests.fixtures.ckpt import make_checkpoint
 
@@ -263,14 +262,3 @@ def test_a_manifest_in_the_mirror_that_mixes_attempts_is_refused(
         download_checkpoint(remote, 9, tmp_path / "fresh")
     assert remote_manifest(remote, 9) is not None
     assert not (tmp_path / "fresh" / "checkpoints" / "step_000009").exists()
-
-
-def test_manifest_is_the_last_object_written(tmp_path: Path) -> None:
-    """file:// keeps mtimes: every payload object is older than (or as old as) the manifest."""
-    remote = open_storage(f"file://{tmp_path / 'bucket'}")
-    ckpt = make_checkpoint(tmp_path / "run", 3)
-    upload_checkpoint(remote, ckpt.path)
-    root = tmp_path / "bucket" / checkpoint_key(3)
-    manifest_time = os.stat(root / "manifest.json").st_mtime_ns
-    payload_times = [os.stat(p).st_mtime_ns for p in root.rglob("*") if p.is_file()]
-    assert max(payload_times) == manifest_time

@@ -1,0 +1,106 @@
+"""Where this process stands in a multi-process launch (torchrun): rank 0 of 1 unless told.
+
+The run's single-writer work (metrics server, notice poller, mirror, loss log, retention, the
+seconds cadence) is meant for the primary rank alone. Each consumer asks `acts_as_primary` in
+one place, so issue 12 (how torchrun's ranks share a run) is a local decision there.
+
+The environment is read by the entry point (the CLI passes `os.environ` to `from_env`), never
+here: like every setting, the launch's variables come in through the one place that reads the
+environment. They are not RunConfig fields: no user sets them (torchrun does, per process),
+and RunConfig sits below the runtime layer that acts on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from runner.errors import ConfigError
+
+# torchrun's variables (torch.distributed.elastic): GROUP_RANK is the node's rank.
+ENV_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankContext:
+    rank: int = 0
+    """Global rank (torchrun's RANK)."""
+    world_size: int = 1
+    local_rank: int = 0
+    """Rank on this node (LOCAL_RANK)."""
+    local_world_size: int = 1
+    node_rank: int = 0
+    """This node's rank (GROUP_RANK)."""
+    coordinated: bool = False
+    """Whether the ranks share one run, so that ranks other than 0 leave the single-writer work
+    to rank 0. `from_env` leaves it False: until issue 12 every process runs as if it were
+    alone, whatever rank it was given (today's behaviour under torchrun)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"WORLD_SIZE must be >= 1 (got {self.world_size})")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"RANK must be 0..WORLD_SIZE-1 (got RANK={self.rank}, WORLD_SIZE={self.world_size})"
+            )
+        if not 1 <= self.local_world_size <= self.world_size:
+            raise ConfigError(
+                f"LOCAL_WORLD_SIZE must be 1..WORLD_SIZE (got LOCAL_WORLD_SIZE="
+                f"{self.local_world_size}, WORLD_SIZE={self.world_size})"
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ConfigError(
+                f"LOCAL_RANK must be 0..LOCAL_WORLD_SIZE-1 (got LOCAL_RANK={self.local_rank}, "
+                f"LOCAL_WORLD_SIZE={self.local_world_size})"
+            )
+        if self.node_rank < 0:
+            raise ConfigError(f"GROUP_RANK must be >= 0 (got {self.node_rank})")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> RankContext:
+        """The context torchrun's variables describe; rank 0 of 1 when none is set. A variable
+        that is set but not a whole number, or values that contradict each other, are a
+        ConfigError (exit 2) naming the variable."""
+        values = {name: _integer(environ, name) for name in ENV_VARIABLES}
+        defaults = cls()
+        return cls(
+            rank=_or(values["RANK"], defaults.rank),
+            world_size=_or(values["WORLD_SIZE"], defaults.world_size),
+            local_rank=_or(values["LOCAL_RANK"], defaults.local_rank),
+            local_world_size=_or(values["LOCAL_WORLD_SIZE"], defaults.local_world_size),
+            node_rank=_or(values["GROUP_RANK"], defaults.node_rank),
+        )
+
+    @property
+    def is_primary(self) -> bool:
+        """Global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_primary(self) -> bool:
+        """Rank 0 of this node."""
+        return self.local_rank == 0
+
+    @property
+    def acts_as_primary(self) -> bool:
+        """Whether this process does the run's single-writer work: the primary of coordinated
+        ranks, and every process that runs alone (issue 12 sets `coordinated`)."""
+        return self.is_primary or not self.coordinated
+
+
+SINGLE_PROCESS = RankContext()
+"""Rank 0 of 1: the in-process API's default (a caller under torchrun passes its own)."""
+
+
+def _integer(environ: Mapping[str, str], name: str) -> int | None:
+    text = environ.get(name)
+    if text is None or text.strip() == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} must be a whole number") from None
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value

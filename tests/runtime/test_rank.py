@@ -1,0 +1,218 @@
+"""RankContext: read from torchrun's variables (rank 0 of 1 without them), checked, and
+consulted by each consumer of the run's single-writer work (services, loss log, retention,
+the seconds cadence). Real objects: a real metrics server port, file:// mirror, run dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.checkpoint.reader import list_checkpoints
+from runner.config import RunConfig
+from runner.errors import EXIT_USAGE, ConfigError
+from runner.preemption.stop import StopController
+from runner.runtime.rank import SINGLE_PROCESS, RankContext
+from runner.runtime.services import run_services
+from runner.session.train_session import TrainSession
+from runner.state.train_state import ModuleTrainState
+from runner.storage.file import FileStorage
+
+TORCHRUN_RANK_3_OF_8 = {
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+}
+SECOND_OF_TWO = RankContext(
+    rank=1, world_size=2, local_rank=1, local_world_size=2, coordinated=True
+)
+
+
+# -- the context ------------------------------------------------------------------------------
+
+
+def test_no_torchrun_variables_is_rank_0_of_1() -> None:
+    for environ in ({}, {"PATH": "/bin"}, dict.fromkeys(TORCHRUN_RANK_3_OF_8, "")):
+        ctx = RankContext.from_env(environ)
+        assert ctx == RankContext() == SINGLE_PROCESS
+        assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.local_world_size) == (0, 1, 0, 1)
+        assert ctx.node_rank == 0 and not ctx.coordinated
+        assert ctx.is_primary and ctx.is_local_primary and ctx.acts_as_primary
+
+
+def test_torchrun_variables_are_carried_and_change_nothing_yet() -> None:
+    ctx = RankContext.from_env(TORCHRUN_RANK_3_OF_8)
+    assert ctx == RankContext(
+        rank=3, world_size=8, local_rank=1, local_world_size=2, node_rank=1, coordinated=False
+    )
+    assert not ctx.is_primary and not ctx.is_local_primary
+    # issue 12 decides what a rank other than 0 leaves to the primary; until then it acts alone
+    assert ctx.acts_as_primary
+
+
+def test_primary_and_local_primary() -> None:
+    node_1_first = RankContext(rank=2, world_size=4, local_rank=0, local_world_size=2, node_rank=1)
+    assert not node_1_first.is_primary and node_1_first.is_local_primary
+    assert RankContext(rank=0, world_size=4, local_world_size=2, coordinated=True).acts_as_primary
+    assert not SECOND_OF_TWO.acts_as_primary
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (
+            {"RANK": "2", "WORLD_SIZE": "2"},
+            "RANK must be 0..WORLD_SIZE-1 (got RANK=2, WORLD_SIZE=2)",
+        ),
+        ({"RANK": "1"}, "RANK must be 0..WORLD_SIZE-1 (got RANK=1, WORLD_SIZE=1)"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK must be 0..WORLD_SIZE-1 (got RANK=-1"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1 (got 0)"),
+        (
+            {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"},
+            "LOCAL_WORLD_SIZE must be 1..WORLD_SIZE (got LOCAL_WORLD_SIZE=4, WORLD_SIZE=2)",
+        ),
+        (
+            {"WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            "LOCAL_RANK must be 0..LOCAL_WORLD_SIZE-1 (got LOCAL_RANK=2, LOCAL_WORLD_SIZE=2)",
+        ),
+        ({"GROUP_RANK": "-3"}, "GROUP_RANK must be >= 0 (got -3)"),
+        ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' must be a whole number"),
+        ({"WORLD_SIZE": "2.0"}, "WORLD_SIZE='2.0' must be a whole number"),
+    ],
+)
+def test_contradicting_or_malformed_variables_are_config_errors(
+    environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        RankContext.from_env(environ)
+    assert str(refused.value).startswith(message), str(refused.value)
+    assert refused.value.exit_code == EXIT_USAGE
+
+
+def test_the_context_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        SINGLE_PROCESS.rank = 1  # type: ignore[misc]
+
+
+def test_runner_demo_refuses_a_rank_outside_the_world(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "demo", "--run-dir", str(tmp_path / "run")],
+        env={**os.environ, "RANK": "2", "WORLD_SIZE": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "runner: error: RANK must be 0..WORLD_SIZE-1 (got RANK=2, WORLD_SIZE=2)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+# -- the consumers ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def accepts(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def services_config(tmp_path: Path, port: int) -> RunConfig:
+    return RunConfig(
+        run_dir=tmp_path / "run",
+        mirror=f"file://{tmp_path / 'bucket'}",
+        metrics_port=port,
+        metrics_host="127.0.0.1",
+        notices="gcp",
+        notice_endpoint="http://127.0.0.1:9",  # nothing answers: the poller just keeps trying
+        notice_poll_seconds=60.0,
+    )
+
+
+def test_run_services_of_the_primary_serve_poll_and_mirror(tmp_path: Path) -> None:
+    port = free_port()
+    stop = StopController()
+    with run_services(services_config(tmp_path, port), stop, rank=SINGLE_PROCESS) as services:
+        assert accepts(port)
+        assert "runner-notice-poller" in {t.name for t in threading.enumerate()}
+        assert services.mirror is not None
+    assert not accepts(port)
+
+
+def test_run_services_of_a_non_primary_rank_start_nothing(tmp_path: Path) -> None:
+    port = free_port()
+    stop = StopController()
+    threads_before = set(threading.enumerate())
+    with run_services(services_config(tmp_path, port), stop, rank=SECOND_OF_TWO) as services:
+        assert not accepts(port)
+        assert set(threading.enumerate()) == threads_before  # no poller, no mirror worker
+        assert services.mirror is None
+        assert services.metrics is not None
+    assert not (tmp_path / "bucket").exists()
+
+
+def new_state() -> ModuleTrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return ModuleTrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def train(session: TrainSession, state: ModuleTrainState, steps: int) -> None:
+    for _ in range(steps):
+        loss = state.model(torch.ones(2, 3)).pow(2).mean()
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.advance(loss=float(loss.detach()), samples=2)
+        session.step_done()
+
+
+def session_config(run_dir: Path) -> RunConfig:
+    return RunConfig(run_dir=run_dir, ckpt_every=2, ckpt_every_seconds=0.001, keep=2, steps=8)
+
+
+def test_a_primary_session_logs_losses_prunes_and_keeps_the_seconds_cadence(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    state = new_state()
+    with TrainSession(session_config(run_dir), state=state) as session:
+        assert session.policy.every_seconds == 0.001
+        train(session, state, 8)
+        assert session.finish() == 0
+    lines = [json.loads(line) for line in (run_dir / "loss.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    assert len(list_checkpoints(FileStorage(run_dir))) == 2
+
+
+def test_a_non_primary_session_leaves_loss_log_retention_and_seconds_to_the_primary(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    state = new_state()
+    with TrainSession(session_config(run_dir), state=state, rank=SECOND_OF_TWO) as session:
+        assert session.policy.every_seconds is None
+        assert session.policy.every_steps == 2
+        train(session, state, 8)
+        assert session.finish() == 0
+    assert not (run_dir / "loss.jsonl").exists()
+    # every step cadence point kept: nothing pruned on this rank
+    assert list_checkpoints(FileStorage(run_dir)) == [2, 4, 6, 8]
