@@ -1,7 +1,7 @@
 """Seed .bin <-> checkpoint directory, never overwriting anything.
 
 A seed .bin becomes a `seed-bin` checkpoint holding the file byte for byte, so converting it
-back yields an identical file. A torch-state or sharded checkpoint is verified, loaded and
+back yields an identical file. A torch-state or chunked checkpoint is verified, loaded and
 streamed out in seed layout one tensor at a time.
 """
 

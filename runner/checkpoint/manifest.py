@@ -15,18 +15,23 @@ from typing import Any
 
 from runner.errors import IntegrityError, SchemaError
 
-SCHEMA_VERSION = "2"
-SUPPORTED_SCHEMAS = ("1", "2")
+# "3": the size-chunked layout of one process's state is named `torch-chunked` (schema 2 called
+# it `torch-sharded`, a name kept free for per-rank shards). A runner that reads only 1 and 2
+# refuses a schema-3 checkpoint as a newer runner's instead of misreading its format.
+SCHEMA_VERSION = "3"
+SUPPORTED_SCHEMAS = ("1", "2", "3")
 
 FORMAT_TORCH = "torch-state"  # one state.pt loadable with torch.load(weights_only=True)
-FORMAT_SHARDED = "torch-sharded"  # index.json + N shard files
+FORMAT_CHUNKED = "torch-chunked"  # index.json + skeleton.pt + N size-chunk files
 FORMAT_SEED_BIN = "seed-bin"  # step_NNNNNN.bin from the seed format
+# What schemas 1 and 2 called FORMAT_CHUNKED; read only by the migration to schema 3.
+LEGACY_FORMAT_SHARDED = "torch-sharded"
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # What a manifest may claim, so a hostile one cannot exhaust memory or time: readers read at
 # most MAX_MANIFEST_BYTES before parsing, and `validate` bounds the rest. Real manifests are
-# far below every limit (a 1000-shard checkpoint's manifest is ~150 KiB).
+# far below every limit (a 1000-chunk checkpoint's manifest is ~150 KiB).
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 MAX_FILES = 100_000
 MAX_PATH_CHARS = 1024
@@ -203,7 +208,7 @@ def utc_now_iso() -> str:
 
 
 def migrate(data: dict[str, Any], *, source: str) -> dict[str, Any]:
-    """Bring a manifest dict from any supported schema to SCHEMA_VERSION.
+    """Bring a manifest dict from any supported schema to SCHEMA_VERSION (1 -> 2 -> 3).
 
     A version this runner does not know is a SchemaError (possibly a newer runner's: kept,
     never replaced); a manifest that names no version at all is malformed or not ours, an
@@ -242,6 +247,21 @@ def migrate(data: dict[str, Any], *, source: str) -> dict[str, Any]:
             data = _migrate_v1_to_v2(data)
         except (TypeError, ValueError, AttributeError) as exc:
             raise IntegrityError(f"{source}: malformed v1 manifest ({exc})") from exc
+        schema = "2"
+    if schema == "2":
+        data = _migrate_v2_to_v3(data)
+    return data
+
+
+def _migrate_v2_to_v3(v2: dict[str, Any]) -> dict[str, Any]:
+    """v3 renames the format `torch-sharded` to `torch-chunked`; nothing else differs. The
+    files keep the names they were written with (`shard_NNNNN.pt`): the chunk index lists them,
+    so the chunked reader finds either. `extra` is left as it was (no `migrated_from`: the
+    counters a v2 manifest stores are all five)."""
+    data = dict(v2)
+    data["schema"] = "3"
+    if data.get("format") == LEGACY_FORMAT_SHARDED:
+        data["format"] = FORMAT_CHUNKED
     return data
 
 
@@ -273,7 +293,7 @@ V1_MANIFEST_COUNTERS = ("step", "epoch", "batch_in_epoch", "world_size", "sample
 
 
 def stored_counters(manifest: Manifest) -> tuple[str, ...]:
-    """The counters a manifest really records: all five for v2; for one migrated from v1 only
+    """The counters a manifest really records: all five for v2/v3; for one migrated from v1 only
     those the v1 file had (`step` at least), never a default or a derived value."""
     if manifest.extra.get("migrated_from") != "1":
         return V1_MANIFEST_COUNTERS

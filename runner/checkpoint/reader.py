@@ -14,13 +14,13 @@ any other storage is streamed), shared by every command (`verify`, `status`, `ls
 3. every listed file is a canonical relative path, present, a regular file and not a symlink
    (nor under a symlinked directory inside the checkpoint), of the listed size and sha256;
 4. the counters inside the payload agree with the manifest (`check_counters`): step,
-   world_size, samples_seen, epoch, batch_in_epoch for torch-state / torch-sharded (read from
-   state.pt or the sharded skeleton), the header's step for seed-bin. Only counters both sides
+   world_size, samples_seen, epoch, batch_in_epoch for torch-state / torch-chunked (read from
+   state.pt or the chunked skeleton), the header's step for seed-bin. Only counters both sides
    really store are compared (a migrated v1 manifest or payload lacks some).
 
 Reading the counters is cheap locally: `torch.load(weights_only=True, mmap=True)` touches the
 pickle, not the tensor data. Remotely (s3://) the counter-holding file is read a second time
-after hashing, bounded: a seed header is 8 bytes and a sharded skeleton/index is small, but a
+after hashing, bounded: a seed header is 8 bytes and a chunked skeleton/index is small, but a
 torch-state `state.pt` larger than REMOTE_COUNTER_CHECK_MAX_BYTES is not fetched twice just
 for its counters: `verify` on such a remote checkpoint checks rules 1-3 and logs that the
 counters were not read, and the counters are checked when it is downloaded (before the
@@ -55,8 +55,8 @@ from runner.checkpoint.layout import (
     parse_step_dir,
 )
 from runner.checkpoint.manifest import (
+    FORMAT_CHUNKED,
     FORMAT_SEED_BIN,
-    FORMAT_SHARDED,
     FORMAT_TORCH,
     MAX_MANIFEST_BYTES,
     FileEntry,
@@ -83,7 +83,7 @@ INDEX_FILE = "index.json"
 # A remote (non-local) torch-state payload at most this big is read a second time after
 # hashing so its counters can be checked; larger ones are checked on download and on load.
 REMOTE_COUNTER_CHECK_MAX_BYTES = 64 * 1024 * 1024
-# A sharded index or skeleton is metadata; one bigger than this is not a spot-runner one.
+# A chunked index or skeleton is metadata; one bigger than this is not a spot-runner one.
 MAX_SHARD_METADATA_BYTES = 256 * 1024 * 1024
 _COUNTERS = ("step", "world_size", "samples_seen", "epoch", "batch_in_epoch")
 _V1_PAYLOAD_COUNTERS = ("step", "epoch", "batch_in_epoch", "world_size")  # no samples_seen
@@ -423,15 +423,15 @@ def _check_seed_header(manifest: Manifest, entry: FileEntry, header: bytes, *, s
     check_counters(manifest, {"step": step}, source=source, what="seed header")
 
 
-def _sharded_skeleton(
+def _chunked_skeleton(
     manifest: Manifest, index_raw: bytes, *, prefix: str, source: str
 ) -> FileEntry:
-    """The manifest entry of the skeleton a sharded index names."""
+    """The manifest entry of the skeleton a chunk index names."""
     try:
         index = json.loads(index_raw)
         skeleton = index["skeleton"]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise IntegrityError(f"{source}: unreadable shard index ({exc})") from exc
+        raise IntegrityError(f"{source}: unreadable chunk index ({exc})") from exc
     rel = check_relative_path(skeleton, source=source)
     return _listed(manifest, prefix + rel, source=source)
 
@@ -445,11 +445,11 @@ def check_payload_counters(step_dir: Path, manifest: Manifest) -> None:
         entry = _listed(manifest, prefix + STATE_FILE, source=source)
         raw = _load_local(step_dir, entry.path)
         check_counters(manifest, payload_counters(raw, source=source), source=source)
-    elif manifest.format == FORMAT_SHARDED:
+    elif manifest.format == FORMAT_CHUNKED:
         index = _listed(manifest, prefix + INDEX_FILE, source=source)
         with _open_local(step_dir, index.path) as f:
             index_raw = f.read(MAX_SHARD_METADATA_BYTES + 1)
-        skeleton = _sharded_skeleton(manifest, index_raw, prefix=prefix, source=source)
+        skeleton = _chunked_skeleton(manifest, index_raw, prefix=prefix, source=source)
         raw = _load_local(step_dir, skeleton.path)
         check_counters(manifest, payload_counters(raw, source=source), source=source)
     elif manifest.format == FORMAT_SEED_BIN:
@@ -487,13 +487,13 @@ def _check_remote_counters(storage: Storage, base: str, manifest: Manifest) -> N
             )
             return
         raw = _torch_load_bytes(data, source=f"{source}/{entry.path}")
-    elif manifest.format == FORMAT_SHARDED:
+    elif manifest.format == FORMAT_CHUNKED:
         index_raw = fetch(
             _listed(manifest, prefix + INDEX_FILE, source=source), MAX_SHARD_METADATA_BYTES
         )
         if index_raw is None:
-            raise IntegrityError(f"{source}: the shard index is too big to be a spot-runner one")
-        skeleton = _sharded_skeleton(manifest, index_raw, prefix=prefix, source=source)
+            raise IntegrityError(f"{source}: the chunk index is too big to be a spot-runner one")
+        skeleton = _chunked_skeleton(manifest, index_raw, prefix=prefix, source=source)
         data = fetch(skeleton, MAX_SHARD_METADATA_BYTES)
         if data is None:
             raise IntegrityError(f"{source}: the skeleton is too big to be a spot-runner one")
@@ -587,7 +587,7 @@ def verify_dir(
         )
     _check_named_step(manifest, step, source=str(step_dir / MANIFEST_NAME))
     checked = check_sizes(step_dir, manifest)
-    # one sha256 cannot be split across cores, but several files (shards) can be hashed at once
+    # one sha256 cannot be split across cores, but several files (chunks) can be hashed at once
     workers = max(1, min(len(checked), os.cpu_count() or 1, 8))
 
     def digest(entry: FileEntry) -> str:
@@ -690,10 +690,10 @@ def load_state(
                 by_fd = f"/proc/self/fd/{f.fileno()}"
                 target = by_fd if mmap and os.path.exists(by_fd) else step_dir / STATE_FILE
                 raw = _torch_load(target, source=source, mmap=mmap)
-        elif manifest.format == FORMAT_SHARDED:
-            from runner.checkpoint.formats.chunked import read_sharded
+        elif manifest.format == FORMAT_CHUNKED:
+            from runner.checkpoint.formats.chunked import read_chunked
 
-            raw = read_sharded(step_dir, listed=listed, mmap=mmap)
+            raw = read_chunked(step_dir, listed=listed, mmap=mmap)
         elif manifest.format == FORMAT_SEED_BIN:
             raise SchemaError(
                 f"{source}: a seed-bin checkpoint holds flat arrays, not a train state; map it "

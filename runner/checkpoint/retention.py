@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from uuid import uuid4
 
 from runner.atomicity.files import fsync_dir
+from runner.atomicity.temp import temp_path
 from runner.checkpoint.aside import protected_keys
-from runner.checkpoint.layout import TMP_PREFIX, checkpoint_key, manifest_key
+from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.reader import (
     check_payload_counters,
     check_remote_sizes,
@@ -138,9 +138,7 @@ def delete_checkpoint(storage: Storage, step: int, *, protected: set[str] | None
     spared = {key for key in protected if key.startswith(f"{base}/")}
     if isinstance(storage, FileStorage) and not spared:
         step_dir = storage.root / base
-        aside = step_dir.with_name(
-            f"{TMP_PREFIX}{step_dir.name}-{os.getpid()}-pruned-{uuid4().hex[:8]}"
-        )
+        aside = temp_path(step_dir, tag="pruned")
         try:
             os.rename(step_dir, aside)
         except FileNotFoundError:

@@ -32,7 +32,7 @@ from runner.atomicity.publish import Existing, publish_dir
 from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp, temp_name
 from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
-from runner.checkpoint.manifest import FORMAT_SHARDED, FORMAT_TORCH, Manifest
+from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_TORCH, Manifest
 from runner.checkpoint.payload import with_schema
 from runner.checkpoint.reader import STATE_FILE, verify_dir
 from runner.checkpoint.staging import Staging
@@ -80,30 +80,30 @@ class CheckpointWriter:
         *,
         run_id: str,
         writer_id: str,
-        shard_bytes: int | None = None,
+        chunk_bytes: int | None = None,
         stale_seconds: float = DEFAULT_STALE_SECONDS,
     ) -> None:
-        if shard_bytes is not None and shard_bytes <= 0:
-            raise ConfigError(f"shard_bytes must be > 0 (got {shard_bytes})")
+        if chunk_bytes is not None and chunk_bytes <= 0:
+            raise ConfigError(f"chunk_bytes must be > 0 (got {chunk_bytes})")
         self.ckpt_dir = Path(ckpt_dir)
         self.run_id = run_id
         self.writer_id = writer_id
-        self.shard_bytes = shard_bytes
+        self.chunk_bytes = chunk_bytes
         self.stale_seconds = stale_seconds
 
     # -- public API -------------------------------------------------------------------------
 
     def write_state(self, state: dict[str, Any], *, meta: CheckpointMeta) -> CommittedCheckpoint:
-        """Save a train-state dict as `state.pt` (or shards past `shard_bytes`) and commit it.
+        """Save a train-state dict as `state.pt` (or size chunks past `chunk_bytes`) and commit it.
 
         `state` is only read: callers may pass a snapshot and keep training meanwhile."""
         from runner.checkpoint.formats import chunked  # keeps this module small
 
         payload = with_schema(state)
         with self._staging(meta.step) as stage:
-            if self.shard_bytes is not None and chunked.tensor_bytes(payload) > self.shard_bytes:
-                chunked.write_sharded(stage, payload, shard_bytes=self.shard_bytes)
-                fmt = FORMAT_SHARDED
+            if self.chunk_bytes is not None and chunked.tensor_bytes(payload) > self.chunk_bytes:
+                chunked.write_chunked(stage, payload, chunk_bytes=self.chunk_bytes)
+                fmt = FORMAT_CHUNKED
             else:
                 stage.write_torch(STATE_FILE, payload)
                 fmt = FORMAT_TORCH

@@ -32,7 +32,7 @@ def run(command: tuple[str, ...], **params: Any) -> None:
 
     The trainer gets RUNNER_RUN_DIR, RUNNER_CKPT_DIR, RUNNER_RESUME_FROM (the newest
     verified checkpoint's payload, empty when none), RUNNER_RESUME_FORMAT (its format:
-    seed-bin, torch-state or torch-sharded; a trainer refuses one it cannot read),
+    seed-bin, torch-state or torch-chunked; a trainer refuses one it cannot read),
     RUNNER_RESUME_STEP, RUNNER_ATTEMPT and RUNNER_RUN_LOCK_TOKEN (README: "Supervise any
     trainer"). Seed-format step_NNNNNN.bin files it writes into RUNNER_CKPT_DIR (temp name,
     then rename) are checked, committed with a manifest, mirrored and handed back on resume.

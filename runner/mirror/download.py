@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from runner.atomicity.files import atomic_write_bytes, fsync_dir
+from runner.atomicity.publish import Existing, publish_dir
+from runner.atomicity.temp import temp_name
 from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
-    TMP_PREFIX,
     checkpoint_key,
     step_dir_name,
 )
@@ -53,7 +52,7 @@ def download_checkpoint(
         return final
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     # same naming as the writer's temp dirs, so its cleanup removes a crashed pull's leftovers
-    staging = ckpt_dir / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    staging = ckpt_dir / temp_name(step_dir_name(step))
     staging.mkdir()
     try:
         base = checkpoint_key(step)
@@ -81,7 +80,7 @@ def download_checkpoint(
         atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
         fsync_dir(staging)
         with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
-            _publish(staging, final)
+            publish_dir(staging, final, on_existing=_replace_only_corrupt)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("downloaded checkpoint step %d from %s to %s", step, storage.uri, final)
@@ -104,24 +103,21 @@ def _holds(step_dir: Path, manifest: Manifest) -> bool:
     return existing.fingerprint == manifest.fingerprint and existing.files == manifest.files
 
 
-def _publish(staging: Path, final: Path) -> None:
-    """Rename into place. An existing directory there is replaced only when it fails
-    verification, and it is set aside (RUN_DIR/aside/), never deleted; one that verifies, or
-    of a schema this runner cannot read, stays (CheckpointConflictError)."""
-    if final.exists():
-        try:
-            verify_dir(final)
-        except SchemaError as exc:
-            raise CheckpointConflictError(
-                f"{final} holds a checkpoint this runner cannot read ({exc}); not replacing it "
-                "with the downloaded copy"
-            ) from exc
-        except IntegrityError:
-            set_aside_local(final.parent.parent, final, reason=CORRUPT)
-        else:
-            raise CheckpointConflictError(
-                f"{final} already holds a different checkpoint that verifies; not replacing "
-                "it with the downloaded copy"
-            )
-    os.rename(staging, final)
-    fsync_dir(final.parent)
+def _replace_only_corrupt(final: Path) -> Existing:
+    """The publish policy: an existing directory is replaced only when it fails verification,
+    and it is set aside (RUN_DIR/aside/), never deleted; one that verifies, or of a schema
+    this runner cannot read, stays (CheckpointConflictError)."""
+    try:
+        verify_dir(final)
+    except SchemaError as exc:
+        raise CheckpointConflictError(
+            f"{final} holds a checkpoint this runner cannot read ({exc}); not replacing it "
+            "with the downloaded copy"
+        ) from exc
+    except IntegrityError:
+        set_aside_local(final.parent.parent, final, reason=CORRUPT)
+        return Existing.MOVED
+    raise CheckpointConflictError(
+        f"{final} already holds a different checkpoint that verifies; not replacing "
+        "it with the downloaded copy"
+    )

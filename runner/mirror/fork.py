@@ -167,10 +167,10 @@ def _copy_loss_history(
 def _checkpoint_loss_history(checkpoint: CommittedCheckpoint) -> list[float]:
     """The loss history the checkpoint's train state carries (steps 1..N); empty for a format
     that holds none (seed-bin) or a payload that does not load."""
-    from runner.checkpoint.manifest import FORMAT_SHARDED, FORMAT_TORCH
+    from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_TORCH
     from runner.checkpoint.reader import load_state
 
-    if checkpoint.manifest.format not in (FORMAT_TORCH, FORMAT_SHARDED):
+    if checkpoint.manifest.format not in (FORMAT_TORCH, FORMAT_CHUNKED):
         log.info(
             "fork: a %s checkpoint carries no loss history; the fork's %s has only what the "
             "source logged",

@@ -13,19 +13,17 @@ setting left on in a deploy file never discards a good checkpoint.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.atomicity.files import fsync_dir
+from runner.atomicity.publish import publish_dir
+from runner.atomicity.temp import temp_name
 from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote, set_aside_local
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
-    TMP_PREFIX,
     parse_seed_bin,
     parse_step_dir,
     step_dir_name,
@@ -241,7 +239,7 @@ def _try_remote(
     ckpt_dir = run_dir / CHECKPOINTS_DIR
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     # a writer-style temp name: cleanup_partial removes what a crash leaves
-    incoming = ckpt_dir / f"{TMP_PREFIX}incoming-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    incoming = ckpt_dir / temp_name("incoming")
     try:
         try:
             staged = download_checkpoint(mirror, step, incoming, progress=progress)
@@ -275,8 +273,7 @@ def _try_remote(
         with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
             if replacing is not None and old is not None and (old.exists() or old.is_symlink()):
                 set_aside_local(run_dir, old, reason=FOREIGN if replacing.foreign else CORRUPT)
-            os.rename(staged, final)
-        fsync_dir(ckpt_dir)
+            publish_dir(staged, final)  # no policy: the refused local copy was set aside above
         return ResumeChoice(step_dir=final, manifest=manifest, loaded=loaded, from_mirror=True)
     finally:
         shutil.rmtree(incoming, ignore_errors=True)

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.manifest import Manifest, created_at_unix
@@ -30,7 +30,7 @@ from runner.checkpoint.reader import (
     local_step_dir,
 )
 from runner.checkpoint.sidecars import LossLog
-from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import (
     EXIT_FAILURE,
@@ -46,6 +46,7 @@ from runner.preemption.stop import StopController
 from runner.runtime import runlock
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
+from runner.session.checkpointer import Checkpointer, Snapshot, TrainState
 from runner.state.train_state import Counters
 
 if TYPE_CHECKING:
@@ -54,21 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class TrainState(Protocol):
-    """What a session needs from the training loop's state (the demo's components and
-    `runner.state.train_state.ModuleTrainState` both provide it). The loop advances `counters` and
-    `loss_history`."""
-
-    counters: Counters
-    loss_history: list[float]
-
-    def capture(
-        self, *, copy: bool = False, extra: dict[str, Any] | None = None
-    ) -> dict[str, Any]: ...
-
-    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters: ...
-
-    def fingerprint(self) -> str: ...
+__all__ = ["TrainSession", "TrainState"]  # TrainState lives with the checkpointer
 
 
 class TrainSession:
@@ -113,6 +100,12 @@ class TrainSession:
         # A new run gets a new identity; a resumed one takes it from its checkpoint.
         self.writer = CheckpointWriter(
             self.ckpt_dir, run_id=uuid.uuid4().hex[:16], writer_id=config.writer_id
+        )
+        self.checkpointer = Checkpointer(
+            self.writer,
+            on_commit=self._committed,
+            retention=self._prune_local,
+            hand_off=self._hand_off,
         )
         self.policy = self._policy(start_step=0)
         # a full disk never stops training for the loss history: counted, logged, retried
@@ -356,23 +349,18 @@ class TrainSession:
     def save(self, *, reason: str) -> CommittedCheckpoint:
         """Commit a checkpoint of the current state now, and hand it to the mirror."""
         counters = self.state.counters
-        started = time.monotonic()
+        self._save_started = time.monotonic()
+        self._save_committed = False
         try:
             self.loss_log.sync()  # the loss history is at least as durable as the checkpoint
-            payload = self.state.capture()
-            meta = CheckpointMeta(
-                step=counters.step,
-                samples_seen=counters.samples_seen,
-                world_size=counters.world_size,
-                epoch=counters.epoch,
-                batch_in_epoch=counters.batch_in_epoch,
-                fingerprint=self.state.fingerprint(),
-                extra={"reason": reason},
-            )
-            committed = self.writer.write_state(payload, meta=meta)
+            # capture, commit, then _committed, _prune_local and _hand_off (runner.session.
+            # checkpointer); the sync saver has committed when result() returns
+            return self.checkpointer.save(self.state, reason=reason).result()
         except OSError as exc:
             from runner.checkpoint.oserror_advice import oserror_advice
 
+            if self._save_committed:  # failed after the commit: not a failed save
+                raise
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("save")
             previous = self.last_checkpoint.step if self.last_checkpoint else self.resumed_from
@@ -382,28 +370,41 @@ class TrainSession:
                 f"{exc.strerror or exc}; the previous checkpoint: {kept}. {oserror_advice(exc)}"
             ) from exc
         except RunnerError:
-            if self.metrics is not None:
+            if self.metrics is not None and not self._save_committed:
                 self.metrics.checkpoint_failed("save")
             raise
-        duration = time.monotonic() - started
-        self.policy.saved(counters.step)
+
+    def _committed(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
+        """Bookkeeping once a save is committed, before retention and the mirror see it."""
+        duration = time.monotonic() - self._save_started
+        self._save_committed = True
+        self.policy.saved(snapshot.step)
         self.last_checkpoint = committed
         self._known_good.add(committed.step)
         if self.metrics is not None:
             self.metrics.checkpoint_saved(
-                step=counters.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
+                step=snapshot.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
             )
         log.info(
             "checkpoint step %d committed in %.2fs (%s, %.1f MB)",
-            counters.step,
+            snapshot.step,
             duration,
-            reason,
+            snapshot.reason,
             committed.manifest.total_bytes / 1e6,
         )
-        self._prune_local()
-        if self.mirror is not None and reason not in ("final", "stop"):
+
+    def _hand_off(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
+        # the final and stop checkpoints go up in finish(), within the deadline
+        if self.mirror is not None and snapshot.reason not in ("final", "stop"):
             self.mirror.submit(committed)
-        return committed
+
+    def _load_checkpoint(self, step_dir: Path, manifest: Manifest) -> Counters:
+        """Load a checkpoint verified moments ago in this process into `self.state` (model,
+        optimizer, scheduler, sampler, counters, RNG); returns the counters to continue from.
+
+        It writes into the live objects: call it on the loop's thread, not in a worker that
+        a stop may give up on (the resolver's `load` may run `Checkpointer.read` there)."""
+        return self.checkpointer.load_checkpoint_into(step_dir, manifest, self.state)
 
     def _prune_local(self) -> None:
         from runner.checkpoint.retention import prune

@@ -55,6 +55,12 @@ def fingerprint_state(
     return digest.hexdigest()
 
 
+def fingerprint_payload(payload: Mapping[str, Any]) -> str:
+    """Same digest as `fingerprint`, from a train-state payload (`ModuleTrainState.capture()`,
+    whose "model" and "optimizer" are the two state dicts): the fingerprint of what is saved."""
+    return fingerprint_state(payload["model"], payload.get("optimizer"))
+
+
 def _index_key(index: Any) -> tuple[int, str]:
     # torch uses int indices; a state dict rebuilt from JSON may carry them as strings.
     return (int(index), "") if str(index).isdigit() else (1 << 62, str(index))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from runner.errors import ConfigError, IntegrityError, SchemaError
 from runner.state import rng
 from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint as fingerprint_of
+from runner.state.fingerprint import fingerprint_payload
 from runner.state.sampler import ResumableSampler
 from runner.state.worldsize import (
     move_scheduler_to_step,
@@ -95,8 +97,28 @@ class ModuleTrainState:
         self.loss_history = [float(x) for x in state.get("loss_history", [])]
         return self.counters
 
+    def load_into(
+        self,
+        read: Callable[[dict[str, Any]], dict[str, Any]],
+        *,
+        restore_rng: bool = True,
+    ) -> Counters:
+        """Load a checkpoint into the live model, optimizer, scheduler, sampler, counters and
+        RNG; returns the counters to continue from.
+
+        `read` gets this state's own capture (live tensors, the payload layout) as a template
+        and returns the state to load: a whole-file reader returns what it deserialised, an
+        in-place reader (DCP) fills the template's tensors and returns it. Checks come first,
+        as in `restore`: a refused checkpoint leaves the live objects as they were."""
+        return self.restore(read(self.capture()), restore_rng=restore_rng)
+
     def fingerprint(self) -> str:
         return fingerprint_of(self.model, self.optimizer)
+
+    def fingerprint_captured(self, captured: dict[str, Any]) -> str:
+        """The fingerprint of a `capture()` result: equal to `fingerprint()` at the moment of
+        the capture, computed from the captured tensors (a copy, once saves copy)."""
+        return fingerprint_payload(captured)
 
 
 def capture_train_state(

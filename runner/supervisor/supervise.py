@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 ENV_RUN_DIR = "RUNNER_RUN_DIR"
 ENV_CKPT_DIR = "RUNNER_CKPT_DIR"
 ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
-# The manifest's format (seed-bin, torch-state, torch-sharded): a trainer checks it before
+# The manifest's format (seed-bin, torch-state, torch-chunked): a trainer checks it before
 # parsing RUNNER_RESUME_FROM, so a payload it cannot read is refused, not misread.
 ENV_RESUME_FORMAT = "RUNNER_RESUME_FORMAT"
 ENV_RESUME_STEP = "RUNNER_RESUME_STEP"

@@ -207,7 +207,7 @@ def test_v1_checkpoint_migrates_to_v2_on_load(tmp_path: Path) -> None:
     (step_dir / "manifest.json").write_text(json.dumps(v1_manifest))
 
     manifest = verify_checkpoint(open_storage(tmp_path), 4)
-    assert (manifest.schema, manifest.samples_seen, manifest.world_size) == ("2", 20, 1)
+    assert (manifest.schema, manifest.samples_seen, manifest.world_size) == ("3", 20, 1)
     assert manifest.extra["migrated_from"] == "1"
     loaded = load_state(step_dir)
     assert loaded["schema"] == "2"
@@ -222,7 +222,7 @@ def test_v1_checkpoint_migrates_to_v2_on_load(tmp_path: Path) -> None:
     assert loaded["extra"] == {"migrated_from": "1"}
     assert state_fingerprint(loaded) == state_fingerprint(state)
     assert "step" not in loaded and "batch_size" not in loaded
-    # and the migrated manifest round-trips as v2
+    # and the migrated manifest round-trips as v3 (1 -> 2 -> 3)
     assert Manifest.from_json(manifest.to_json()).extra["migrated_from"] == "1"
 
 
@@ -339,12 +339,12 @@ def test_manifest_counters_other_than_step_are_compared_too(
         load_state(ckpt.path)
 
 
-def test_sharded_payload_counters_are_checked(
+def test_chunked_payload_counters_are_checked(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
-    save_checkpoint(2, shard_bytes=64)
-    ckpt = save_checkpoint(3, shard_bytes=64)
-    assert ckpt.manifest.format == "torch-sharded"
+    save_checkpoint(2, chunk_bytes=64)
+    ckpt = save_checkpoint(3, chunk_bytes=64)
+    assert ckpt.manifest.format == "torch-chunked"
     storage = open_storage(tmp_path / "run")
     assert verify_checkpoint(storage, 3).step == 3
     assert load_state(ckpt.path)["counters"]["step"] == 3
@@ -509,14 +509,14 @@ def test_streamed_verify_checks_counters_within_its_bound_and_download_always(
 
     save_checkpoint(3)
     _move_to_step(tmp_path / "run", 3, 8)
-    save_checkpoint(2, shard_bytes=64)
+    save_checkpoint(2, chunk_bytes=64)
     _move_to_step(tmp_path / "run", 2, 9)
     storage = _Streamed(tmp_path / "run")
     assert verify_checkpoint(storage, 3).step == 3  # type: ignore[arg-type]
     with pytest.raises(IntegrityError, match=r"\(step: manifest 8, payload 3\)"):
         verify_checkpoint(storage, 8)  # type: ignore[arg-type]
     with pytest.raises(IntegrityError, match=r"\(step: manifest 9, payload 2\)"):
-        verify_checkpoint(storage, 9)  # type: ignore[arg-type]  # sharded: the skeleton
+        verify_checkpoint(storage, 9)  # type: ignore[arg-type]  # chunked: the skeleton
     # a state.pt over the bound is not streamed twice: verify passes on hashes alone...
     monkeypatch.setattr(reader, "REMOTE_COUNTER_CHECK_MAX_BYTES", 0)
     assert verify_checkpoint(storage, 8).step == 8  # type: ignore[arg-type]

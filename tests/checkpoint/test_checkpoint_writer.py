@@ -40,7 +40,7 @@ def test_write_state_commits_a_verified_directory_with_manifest_fields(tmp_path:
         {"path": "state.pt", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     ]
     assert {k: manifest[k] for k in ("schema", "step", "samples_seen", "world_size")} == {
-        "schema": "2",
+        "schema": "3",  # manifest schema 3 (torch-chunked rename)
         "step": 3,
         "samples_seen": 15,
         "world_size": 1,
@@ -249,35 +249,38 @@ def test_cleanup_never_touches_a_write_in_progress_in_this_process(tmp_path: Pat
     assert verify_dir(tmp_path / "checkpoints" / "step_000001", counters=False).step == 1
 
 
-def test_sharded_layout_indexes_every_shard_and_round_trips(tmp_path: Path) -> None:
+def test_chunked_layout_indexes_every_chunk_and_round_trips(tmp_path: Path) -> None:
     state = tiny_train_state(steps=2, width=64)
     fp = state_fingerprint(state)
-    ckpt = _writer(tmp_path, shard_bytes=1024).write_state(
+    ckpt = _writer(tmp_path, chunk_bytes=1024).write_state(
         state, meta=meta_for(state, fingerprint=fp)
     )
-    assert ckpt.manifest.format == "torch-sharded"
+    assert ckpt.manifest.format == "torch-chunked"
+    assert json.loads((ckpt.path / "manifest.json").read_bytes())["schema"] == "3"
     index = json.loads((ckpt.path / "index.json").read_bytes())
+    assert (index["schema"], "shards" in index) == ("2", False)
     listed = {f.path: (f.size, f.sha256) for f in ckpt.manifest.files}
-    shard_names = [s["path"] for s in index["shards"]]
+    shard_names = [s["path"] for s in index["chunks"]]
     assert len(shard_names) >= 3
+    assert shard_names == [f"chunk_{i:05d}.pt" for i in range(len(shard_names))]
     assert set(listed) == {*shard_names, "index.json", "skeleton.pt"}
-    for shard in index["shards"]:
+    for shard in index["chunks"]:
         data = (ckpt.path / shard["path"]).read_bytes()
         assert (shard["size"], shard["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
         assert listed[shard["path"]] == (shard["size"], shard["sha256"])
         assert set(torch.load(ckpt.path / shard["path"], weights_only=True)) == set(
             shard["tensors"]
         )
-    assert sum(len(s["tensors"]) for s in index["shards"]) == 4 + 3 * 4 + 1
+    assert sum(len(s["tensors"]) for s in index["chunks"]) == 4 + 3 * 4 + 1
     loaded = load_state(ckpt.path)
     assert state_fingerprint(loaded) == fp
     assert loaded["counters"] == state["counters"]
     assert list(loaded["model"]) == list(state["model"])
 
 
-def test_small_state_stays_one_file_below_shard_bytes(tmp_path: Path) -> None:
+def test_small_state_stays_one_file_below_chunk_bytes(tmp_path: Path) -> None:
     state = tiny_train_state(steps=1)
-    ckpt = _writer(tmp_path, shard_bytes=1 << 30).write_state(state, meta=meta_for(state))
+    ckpt = _writer(tmp_path, chunk_bytes=1 << 30).write_state(state, meta=meta_for(state))
     assert ckpt.manifest.format == "torch-state"
 
 

@@ -74,9 +74,9 @@ def _saver(run_dir: Path) -> None:
             run_id="kill",
             writer_id=str(os.getpid()),
             stale_seconds=0,
-            shard_bytes=shard_bytes,
+            chunk_bytes=chunk_bytes,
         )
-        for shard_bytes in (None, None, FLOATS)  # FLOATS bytes: a shard per big tensor
+        for chunk_bytes in (None, None, FLOATS)  # FLOATS bytes: a chunk per big tensor
     ]
     writers[0].cleanup_partial()
     step = (committed_steps(ckpt_dir) or [0])[-1]
@@ -194,7 +194,7 @@ def test_sigkill_at_random_instants_never_breaks_the_newest_checkpoint(tmp_path:
         zygote.wait()
     elapsed = time.monotonic() - started
     assert newest_seen >= TRIALS // 4, f"only {newest_seen} saves committed in {TRIALS} trials"
-    assert formats == {"torch-state", "torch-sharded"}
+    assert formats == {"torch-state", "torch-chunked"}
     assert mid_save >= TRIALS // 4, f"only {mid_save} of {TRIALS} kills interrupted a write"
     print(f"{TRIALS} kills, {mid_save} mid-write, {newest_seen} commits, {elapsed:.1f}s")
     assert elapsed < 90, f"{TRIALS} trials took {elapsed:.0f}s"

@@ -1,0 +1,243 @@
+"""Saving and loading a session's checkpoints: capture, persist, load into.
+
+A save has two halves, so that a background saver can take the second one off the loop:
+
+- capture, on the training loop between two optimizer steps: a `Snapshot` holds the payload
+  dict, the counters and the manifest's fields, with the fingerprint computed from the
+  snapshot's own tensors (what is saved, not the live model);
+- persist, by a `Saver`: serialise, hash, fsync and commit (CheckpointWriter), then the
+  session's bookkeeping, local retention and the mirror hand-off, in that order.
+
+`SyncSaver` persists inside `save`, so the loop waits for the commit. At most one save is in
+flight: `Checkpointer.save` waits for the previous one before it captures (a saver that runs
+in the background keeps that promise by construction; the sync one trivially does).
+
+Loading goes the other way: `read` deserialises a verified checkpoint without touching the
+live objects (it may run in a worker that a stop gives up on), and `load_into` puts it into
+the live model, optimizer, scheduler, sampler, counters and RNG, the way DCP loads into
+existing state dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.reader import load_state
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.state.counters import Counters
+
+log = logging.getLogger(__name__)
+
+
+class TrainState(Protocol):
+    """What a session needs from the training loop's state (the demo's components and
+    `runner.state.train_state.ModuleTrainState` both provide it). The loop advances `counters` and
+    `loss_history`. Two optional methods make saving and loading exact (see `LoadsInto` and
+    `FingerprintsCaptured`); a state without them is saved and restored through these three."""
+
+    counters: Counters
+    loss_history: list[float]
+
+    def capture(
+        self, *, copy: bool = False, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters: ...
+
+    def fingerprint(self) -> str: ...
+
+
+# Fills a template (the live state in the payload layout, tensors included) from the
+# checkpoint and returns the state to load. A whole-file format ignores the template and
+# returns what it deserialised; a per-rank DCP reader would load into the template's tensors.
+ReadInto = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@runtime_checkable
+class LoadsInto(Protocol):
+    """A TrainState that loads a checkpoint into its live objects (ModuleTrainState does)."""
+
+    def load_into(self, read: ReadInto, *, restore_rng: bool = True) -> Counters: ...
+
+
+@runtime_checkable
+class FingerprintsCaptured(Protocol):
+    """A TrainState that can fingerprint one of its own `capture()` results."""
+
+    def fingerprint_captured(self, captured: dict[str, Any]) -> str: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """One captured state on its way to disk: the payload and the manifest's fields."""
+
+    payload: dict[str, Any]
+    meta: CheckpointMeta
+
+    @property
+    def step(self) -> int:
+        return self.meta.step
+
+    @property
+    def reason(self) -> str:
+        return str(self.meta.extra.get("reason", ""))
+
+
+def capture(state: TrainState, *, reason: str) -> Snapshot:
+    """Snapshot `state` at this step boundary.
+
+    For the sync saver the payload references the live tensors (`capture(copy=False)`): the
+    persist that reads them finishes before the loop's next optimizer step changes them. A
+    background saver copies them into host buffers here instead, before `save` returns."""
+    counters = state.counters
+    payload = state.capture()
+    if isinstance(state, FingerprintsCaptured):
+        digest = state.fingerprint_captured(payload)
+    else:
+        digest = state.fingerprint()  # a state of its own layout: its own digest, as before
+    meta = CheckpointMeta(
+        step=counters.step,
+        samples_seen=counters.samples_seen,
+        world_size=counters.world_size,
+        epoch=counters.epoch,
+        batch_in_epoch=counters.batch_in_epoch,
+        fingerprint=digest,
+        extra={"reason": reason},
+    )
+    return Snapshot(payload=payload, meta=meta)
+
+
+class PendingSave(Protocol):
+    """A save handed to a saver: `result()` blocks until it is committed and returns the
+    checkpoint, or raises what persisting it raised."""
+
+    def result(self) -> CommittedCheckpoint: ...
+
+
+class Saver(Protocol):
+    """Persists snapshots; at most one in flight."""
+
+    def save(self, snapshot: Snapshot) -> PendingSave: ...
+
+    def wait_for_saving(self) -> CommittedCheckpoint | None:
+        """Block until the save in flight (if any) is committed; returns it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+Persist = Callable[[Snapshot], CommittedCheckpoint]
+
+
+@dataclass(frozen=True)
+class CompletedSave:
+    """The handle of a save that was committed before `save` returned."""
+
+    committed: CommittedCheckpoint
+
+    def result(self) -> CommittedCheckpoint:
+        return self.committed
+
+
+class SyncSaver:
+    """Persists each snapshot inside `save`: nothing is ever in flight after it returns."""
+
+    def __init__(self, persist: Persist) -> None:
+        self._persist = persist
+        self._last: CommittedCheckpoint | None = None
+
+    def save(self, snapshot: Snapshot) -> PendingSave:
+        self._last = self._persist(snapshot)
+        return CompletedSave(self._last)
+
+    def wait_for_saving(self) -> CommittedCheckpoint | None:
+        return self._last
+
+    def close(self) -> None:
+        return None
+
+
+class Checkpointer:
+    """Capture, persist (through a Saver) and load a session's checkpoints.
+
+    Persisting a snapshot runs, in order: `writer.write_state` (the commit), `on_commit`
+    (the caller's bookkeeping: metrics, the log line), `retention` (never fails a save) and
+    `hand_off` (the mirror), the last two skipped for what `hand_off_reasons` leaves out."""
+
+    def __init__(
+        self,
+        writer: CheckpointWriter,
+        *,
+        on_commit: Callable[[CommittedCheckpoint, Snapshot], None] | None = None,
+        retention: Callable[[], None] | None = None,
+        hand_off: Callable[[CommittedCheckpoint, Snapshot], None] | None = None,
+        saver: Callable[[Persist], Saver] = SyncSaver,
+    ) -> None:
+        self.writer = writer
+        self._on_commit = on_commit
+        self._retention = retention
+        self._hand_off = hand_off
+        self.saver = saver(self.persist)
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, state: TrainState, *, reason: str) -> PendingSave:
+        """Wait for the save in flight, capture `state` and hand the snapshot to the saver."""
+        self.saver.wait_for_saving()
+        return self.saver.save(capture(state, reason=reason))
+
+    def wait_for_saving(self) -> CommittedCheckpoint | None:
+        return self.saver.wait_for_saving()
+
+    def persist(self, snapshot: Snapshot) -> CommittedCheckpoint:
+        """The saver's half: commit the snapshot, then bookkeeping, retention, mirror."""
+        committed = self.writer.write_state(snapshot.payload, meta=snapshot.meta)
+        if self._on_commit is not None:
+            self._on_commit(committed, snapshot)
+        if self._retention is not None:
+            self._retention()
+        if self._hand_off is not None:
+            self._hand_off(committed, snapshot)
+        return committed
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the saver."""
+        try:
+            self.saver.wait_for_saving()
+        finally:
+            self.saver.close()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    @staticmethod
+    def read(step_dir: Path, manifest: Manifest) -> dict[str, Any]:
+        """Deserialise a checkpoint that was verified against `manifest` in this process
+        moments ago (the resume resolver did); touches no live object."""
+        return load_state(step_dir, manifest=manifest, verified=True)
+
+    @staticmethod
+    def load_into(
+        state: TrainState,
+        read: ReadInto,
+        *,
+        restore_rng: bool = True,
+    ) -> Counters:
+        """Load what `read` gives into the live `state`; returns the counters to continue from.
+
+        A state with `load_into` (LoadsInto) hands `read` its own template; one with only the
+        older `restore(dict)` gets the whole payload (read with an empty template)."""
+        if isinstance(state, LoadsInto):
+            return state.load_into(read, restore_rng=restore_rng)
+        return state.restore(read({}), restore_rng=restore_rng)
+
+    def load_checkpoint_into(
+        self, step_dir: Path, manifest: Manifest, state: TrainState
+    ) -> Counters:
+        """`read` then `load_into`, for a checkpoint verified moments ago."""
+        payload = self.read(step_dir, manifest)
+        return self.load_into(state, lambda _template: payload)
