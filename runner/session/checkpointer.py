@@ -88,14 +88,15 @@ class Snapshot:
         return str(self.meta.extra.get("reason", ""))
 
 
-def capture(state: TrainState, *, reason: str) -> Snapshot:
+def capture(state: TrainState, *, reason: str, copy: bool = False) -> Snapshot:
     """Snapshot `state` at this step boundary.
 
-    For the sync saver the payload references the live tensors (`capture(copy=False)`): the
-    persist that reads them finishes before the loop's next optimizer step changes them. A
-    background saver copies them into host buffers here instead, before `save` returns."""
+    For the sync saver the payload references the live tensors (`copy=False`): the persist
+    that reads them finishes before the loop's next optimizer step changes them. A background
+    saver needs `copy=True` (host copies, taken before `save` returns; issue 13 reuses the
+    buffers), and the fingerprint is then computed from the copies."""
     counters = state.counters
-    payload = state.capture()
+    payload = state.capture(copy=copy)
     if isinstance(state, FingerprintsCaptured):
         digest = state.fingerprint_captured(payload)
     else:

@@ -121,6 +121,23 @@ def test_the_fingerprint_is_of_the_snapshot_not_the_live_model(tmp_path: Path) -
     assert fingerprint_state(payload["model"], payload["optimizer"]) == before
 
 
+def test_a_copied_snapshot_shares_no_tensor_with_the_live_state_and_fingerprints_the_same(
+    tmp_path: Path,
+) -> None:
+    state = trained(2)
+    digest = state.fingerprint()
+    snapshot = capture(state, reason="steps", copy=True)
+    assert snapshot.meta.fingerprint == digest
+    live = {p.data_ptr() for p in state.model.parameters()}
+    assert not live & {t.data_ptr() for t in snapshot.payload["model"].values()}
+    train_step(state)
+    assert state.fingerprint() != digest
+    committed = Checkpointer(writer(tmp_path)).persist(snapshot)
+    loaded = load_state(committed.path)
+    assert fingerprint_state(loaded["model"], loaded["optimizer"]) == digest
+    assert committed.manifest.fingerprint == digest
+
+
 def test_a_state_mutated_after_persist_returns_leaves_the_checkpoint_as_committed(
     tmp_path: Path,
 ) -> None:
