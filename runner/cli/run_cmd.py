@@ -6,18 +6,13 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from runner.cli import options
 from runner.config import RunConfig
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
-
-if TYPE_CHECKING:
-    from runner.mirror import Mirror
 
 log = logging.getLogger(__name__)
 
@@ -86,28 +81,12 @@ def supervise(
         stack.callback(restore)
         stack.callback(controller.close)
         services = stack.enter_context(run_services(config, controller, rank=rank))
-        resolve = _resolver(config, services.mirror)
         code = Supervisor(
             command,
             config=config,
             controller=controller,
             mirror=services.mirror,
             metrics=services.metrics,
-            resolve_resume=resolve,
             restart_backoff=config.restart_backoff,
         ).run()
     return code
-
-
-def _resolver(
-    config: RunConfig, mirror: Mirror | None
-) -> Callable[[Path, Callable[[int, str], None] | None], Path | None] | None:
-    """resolve_resume over local ∪ the mirror, for --mirror; None without one (the
-    supervisor then resolves over the run dir alone)."""
-    if mirror is None:
-        return None
-
-    def resolve(run_dir: Path, on_skip: Callable[[int, str], None] | None) -> Path | None:
-        return mirror.resolve_resume(run_dir, on_skip=on_skip, fresh_start=config.fresh_start)
-
-    return resolve

@@ -265,11 +265,12 @@ class Mirror:
         on_skip: SkipCallback | None = None,
         progress: ProgressCallback | None = None,
         fresh_start: bool = False,
+        refusal_log_level: int = logging.WARNING,
     ) -> ResumeChoice | None:
-        """`choose_resume` over the run dir and this mirror's storage. A step of the mirror
-        found corrupt on the way is remembered: uploading that step again checks the copy
-        already there and replaces it when it is bad (a heal), even when its manifest
-        matches the new save."""
+        """`choose_resume` over the run dir and this mirror's storage (callers go through
+        runner.runtime.lifecycle.find_resume). A step of the mirror found corrupt on the way
+        is remembered: uploading that step again checks the copy already there and replaces
+        it when it is bad (a heal), even when its manifest matches the new save."""
         choice = choose_resume(
             run_dir,
             self.storage,
@@ -277,6 +278,7 @@ class Mirror:
             on_skip=on_skip,
             progress=progress,
             fresh_start=fresh_start,
+            refusal_log_level=refusal_log_level,
         )
         if choice is not None:
             with self._cond:
@@ -304,20 +306,6 @@ class Mirror:
         except RunnerError:
             return False
         return True
-
-    def resolve_resume(
-        self,
-        run_dir: Path,
-        *,
-        on_skip: SkipCallback | None = None,
-        progress: ProgressCallback | None = None,
-        fresh_start: bool = False,
-    ) -> Path | None:
-        """The local directory of the checkpoint `choose_resume` picks (verified, not loaded)."""
-        choice = self.choose_resume(
-            run_dir, on_skip=on_skip, progress=progress, fresh_start=fresh_start
-        )
-        return choice.step_dir if choice is not None else None
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the background queue is empty and its thread idle; False on timeout.

@@ -16,6 +16,7 @@ from runner.metrics.registry import RunnerMetrics
 from runner.metrics.server import maybe_serve_metrics
 from runner.preemption.notices import start_notice_poller
 from runner.preemption.stop import StopController
+from runner.runtime.lifecycle import stop_deadline
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 
 if TYPE_CHECKING:
@@ -73,14 +74,12 @@ def run_services(
 
 
 def close_mirror(mirror: Mirror, stop: StopController, *, grace_seconds: float) -> None:
-    """After a stop, wait for the mirror only until the stop's deadline (the request's own,
-    else the grace period from when it arrived): an upload still retrying against a dead
+    """After a stop, wait for the mirror only until the stop's deadline (the one rule,
+    runner.runtime.lifecycle.stop_deadline): an upload still retrying against a dead
     endpoint must not keep a preempted process alive past its notice. Whatever is left is
     abandoned; runner.preemption.exiting then exits without joining the threads stuck on it."""
-    if not stop.stop_requested:
+    deadline = stop_deadline(stop, grace_seconds=grace_seconds)
+    if deadline is None:  # no stop: queued uploads finish
         mirror.close()
         return
-    deadline = stop.deadline
-    if deadline is None:
-        deadline = stop.requests[0].at + grace_seconds
     mirror.close(timeout=max(0.0, deadline - time.monotonic()))

@@ -25,17 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.manifest import Manifest, created_at_unix
-from runner.checkpoint.reader import (
-    load_state,
-    local_step_dir,
-)
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import (
     EXIT_FAILURE,
-    EXIT_OK,
-    EXIT_PREEMPTED,
     CheckpointWriteError,
     RunnerError,
 )
@@ -44,6 +38,7 @@ from runner.preemption.policy import SavePolicy
 from runner.preemption.startup import StartupInterrupted, run_interruptible
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
+from runner.runtime.lifecycle import ResumePoint, end_run, find_resume, report_resume
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
 from runner.session.checkpointer import Checkpointer, Snapshot, TrainState
@@ -181,31 +176,25 @@ class TrainSession:
         without saving or uploading anything; every checkpoint stays as it was."""
         self.writer.cleanup_partial()
         try:
-            found = run_interruptible(self._load_newest, stop=self.stop, what="resume resolution")
+            point = self._load_newest()
         except StartupInterrupted as exc:
             self._give_up_startup(exc)
             return None
-        if found is None:
-            log.info("no checkpoint to resume from in %s: starting at step 0", self.run_dir)
+        if point is None:
+            report_resume(None, run_dir=self.run_dir, loss_log=self.loss_log, metrics=self.metrics)
             self.policy = self._policy(start_step=0)
             return None
-        manifest, payload = found
-        step_dir = local_step_dir(self.run_dir, manifest.step)
         try:
-            counters = self.state.restore(payload)
+            # into the live objects on this thread: the worker only read it (Checkpointer.read)
+            counters = self.checkpointer.load_into(self.state, lambda _template: point.loaded)
         except RunnerError:
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("restore")
             raise
-        self.resumed_from = manifest.step
-        self._known_good.add(manifest.step)
-        self.resumed_checkpoint = CommittedCheckpoint(
-            step=manifest.step, path=step_dir, manifest=manifest
-        )
-        self.writer.run_id = manifest.run_id
-        lost = self._steps_lost(counters.step)
-        self.loss_log.mark_resume(counters.step)
-        self._backfill_loss_log(source=f"checkpoint step {manifest.step}")
+        self.resumed_from = point.step
+        self._known_good.add(point.step)
+        self.resumed_checkpoint = point.checkpoint
+        self.writer.run_id = point.manifest.run_id
         if self.config.steps is not None and counters.step > self.config.steps:
             log.warning(
                 "the run is already at step %d, past --steps %d: nothing to train",
@@ -213,15 +202,18 @@ class TrainSession:
                 self.config.steps,
             )
         self.policy = self._policy(start_step=counters.step)
-        created = created_at_unix(manifest.created_at) or time.time()
-        if self.metrics is not None:
-            self.metrics.resumed(steps_lost=lost)
-            self.metrics.train_step(counters.step)
-            self.metrics.checkpoint_found(location="local", step=manifest.step, created_at=created)
+        report_resume(
+            point,
+            run_dir=self.run_dir,
+            loss_log=self.loss_log,
+            metrics=self.metrics,
+            history=self.state.loss_history,
+            counters=counters,
+        )
         if self.mirror is not None:
             try:
                 held = run_interruptible(
-                    lambda: self._mirror_holds(manifest.step),
+                    lambda: self._mirror_holds(point.step),
                     stop=self.stop,
                     what="checking the mirror's copy",
                 )
@@ -230,21 +222,15 @@ class TrainSession:
                 return counters.step
             if held:
                 if self.metrics is not None:
+                    created = created_at_unix(point.manifest.created_at) or time.time()
                     self.metrics.checkpoint_found(
-                        location="remote", step=manifest.step, created_at=created
+                        location="remote", step=point.step, created_at=created
                     )
             else:
                 # e.g. the previous attempt finished but could not upload: the local copy is
                 # the newest anywhere, so it goes up now rather than never
-                log.info("checkpoint step %d is not in the mirror yet: uploading it", manifest.step)
-                self.mirror.submit(self.resumed_checkpoint)
-        log.info(
-            "resumed from %s (step %d, %d samples seen%s)",
-            step_dir,
-            counters.step,
-            counters.samples_seen,
-            f"; {lost} logged steps after it are redone" if lost else "",
-        )
+                log.info("checkpoint step %d is not in the mirror yet: uploading it", point.step)
+                self.mirror.submit(point.checkpoint)
         return counters.step
 
     def _give_up_startup(self, exc: StartupInterrupted) -> None:
@@ -256,58 +242,27 @@ class TrainSession:
         )
         log.warning("%s; nothing trained, %s", exc, where)
 
-    def _load_newest(self) -> tuple[Manifest, dict[str, Any]] | None:
-        """The newest checkpoint that verifies and loads, from the run dir or the mirror;
-        None when there is none anywhere. Checkpoints that exist but none usable: the
-        resolver raises UnusableCheckpointsError (exit 3) before anything is written, unless
-        `config.fresh_start` (then they are set aside and this returns None).
+    def _load_newest(self) -> ResumePoint[dict[str, Any]] | None:
+        """The newest checkpoint that verifies and loads, from the run dir or the mirror, by
+        the one resolver (runner.runtime.lifecycle.find_resume: resume or refuse, given up on
+        by a stop); None when there is none anywhere.
 
         Each file is hashed once, by the resolver while choosing among local and remote
-        checkpoints (a download as it arrives); `load_state` then re-checks paths and sizes."""
-        from runner.mirror.resume import choose_resume
-
-        def on_skip(step: int, why: str) -> None:
-            if self.metrics is not None:
-                self.metrics.checkpoint_failed("verify")
-
-        def load(step_dir: Path, manifest: Manifest) -> dict[str, Any]:
-            return load_state(step_dir, manifest=manifest, verified=True)
-
-        if self.mirror is None:
-            choice = choose_resume(
-                self.run_dir,
-                None,
-                load=load,
-                on_skip=on_skip,
-                fresh_start=self.config.fresh_start,
-                refusal_log_level=logging.DEBUG if self._refusals_reported else logging.WARNING,
-            )
-        else:
-            choice = self.mirror.choose_resume(
-                self.run_dir, load=load, on_skip=on_skip, fresh_start=self.config.fresh_start
-            )
-        if choice is None:
-            return None
-        return choice.manifest, choice.loaded
+        checkpoints (a download as it arrives); `Checkpointer.read` then re-checks paths and
+        sizes and deserialises, in the resolver's worker: it touches no live object."""
+        return find_resume(
+            self.run_dir,
+            stop=self.stop,
+            load=self.checkpointer.read,
+            mirror=self.mirror,
+            metrics=self.metrics,
+            fresh_start=self.config.fresh_start,
+            refusal_log_level=logging.DEBUG if self._refusals_reported else logging.WARNING,
+        )
 
     def _mirror_holds(self, step: int) -> bool:
         assert self.mirror is not None
         return self.mirror.holds(step)
-
-    def _backfill_loss_log(self, *, source: str) -> None:
-        """On a fresh node loss.jsonl is gone with the old disk; the checkpoint carries the
-        history that led to it, so the sidecar is rebuilt from there (lines marked as such)."""
-        logged = self.loss_log.read()
-        history = self.state.loss_history
-        missing = [s for s in range(1, len(history) + 1) if s not in logged]
-        for step in missing:
-            self.loss_log.append(step, history[step - 1], restored_from=source)
-        if missing:
-            log.info("loss.jsonl: restored %d entries from the checkpoint", len(missing))
-
-    def _steps_lost(self, resume_step: int) -> int:
-        logged = self.loss_log.read()
-        return max(0, max(logged, default=0) - resume_step)
 
     def _policy(self, *, start_step: int) -> SavePolicy:
         # The seconds cadence is decided on the primary: wall clocks differ between ranks, and
@@ -447,17 +402,20 @@ class TrainSession:
         self.final_save_seconds = time.monotonic() - started
         if ckpt is None:
             ckpt = self.resumed_checkpoint  # nothing new: the one resumed from must be mirrored
-        if self.mirror is not None and ckpt is not None and not self.startup_given_up:
-            deadline = self.stop.deadline if stopped else None
-            if stopped and deadline is None:
-                deadline = started + self.config.grace_seconds
-            self.final_upload_landed = self.mirror.upload_now(ckpt, deadline=deadline)
+        ending = end_run(
+            mirror=None if self.startup_given_up else self.mirror,
+            ckpt=ckpt,
+            stop=self.stop,
+            grace_seconds=self.config.grace_seconds,
+            stopped=stopped,
+        )
+        self.final_upload_landed = ending.landed
         elapsed = time.monotonic() - started
         if stopped:
             self._report_stop(elapsed, ckpt)
-        self.exit_code = EXIT_PREEMPTED if stopped else EXIT_OK
-        if not stopped and ckpt is not None and self.final_upload_landed is False:
-            assert self.mirror is not None  # final_upload_landed is only set with a mirror
+        self.exit_code = ending.exit_code
+        if self.exit_code == EXIT_FAILURE and ckpt is not None:
+            assert self.mirror is not None  # the final upload failed: there is a mirror
             log.error(
                 "the run finished at step %d but its final checkpoint is NOT in %s (%s); the "
                 "local copy in %s is complete: `runner push %s %s` once the store is "
@@ -469,7 +427,6 @@ class TrainSession:
                 self.run_dir,
                 self.mirror.storage.uri,
             )
-            self.exit_code = EXIT_FAILURE
         return self.exit_code
 
     def _report_stop(self, elapsed: float, ckpt: CommittedCheckpoint | None) -> None:

@@ -1,5 +1,5 @@
-"""Checkpoints of a supervised trainer: adopt the seed `.bin` files it writes, and find the
-one to hand back on resume.
+"""Checkpoints of a supervised trainer: adopt the seed `.bin` files it writes, and name the
+payload to hand back on resume.
 
 A trainer in any language writes `step_NNNNNN.bin` (seed format, temp name then rename) into
 RUNNER_CKPT_DIR. Each file is checked (size = 8 + 12·n, header step = file name step), then
@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from runner.checkpoint.layout import (
     seed_bin_name,
 )
 from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
-from runner.checkpoint.reader import read_manifest_dir
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import CheckpointConflictError, IntegrityError
 from runner.supervisor.files import DirWatch, open_for_writing
@@ -266,50 +264,9 @@ class SeedAdopter:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class ResumePoint:
-    step: int
-    step_dir: Path
-    payload: Path
-    """What RUNNER_RESUME_FROM names: the seed .bin, the single payload file, or the dir."""
-    manifest: Manifest
-
-
-SkipCallback = Callable[[int, str], None]
-ResolveResume = Callable[[Path, SkipCallback | None], Path | None]
-
-
-def find_resume(
-    run_dir: Path,
-    *,
-    resolve: ResolveResume | None = None,
-    on_skip: SkipCallback | None = None,
-    fresh_start: bool = False,
-) -> ResumePoint | None:
-    """The newest checkpoint that verifies, or None when there is none. `resolve(run_dir,
-    on_skip)` may return the local step directory to use (e.g. downloaded from the mirror);
-    otherwise the run dir alone is resolved. Each newer checkpoint that fails verification
-    goes to `on_skip(step, why)`. Checkpoints that exist with none usable raise
-    UnusableCheckpointsError (runner.mirror.resume: resume or refuse)."""
-    from runner.mirror.resume import resolve_resume
-
-    run_dir = Path(run_dir)
-    if resolve is not None:
-        step_dir = resolve(run_dir, on_skip)
-    else:
-        step_dir = resolve_resume(run_dir, None, on_skip=on_skip, fresh_start=fresh_start)
-    if step_dir is None:
-        return None
-    manifest = read_manifest_dir(step_dir)
-    return ResumePoint(
-        step=manifest.step,
-        step_dir=step_dir,
-        payload=payload_path(step_dir, manifest),
-        manifest=manifest,
-    )
-
-
 def payload_path(step_dir: Path, manifest: Manifest) -> Path:
+    """What RUNNER_RESUME_FROM names for a checkpoint resumed from (found by
+    runner.runtime.lifecycle.find_resume): the seed .bin, the single payload file, or the dir."""
     if manifest.format == FORMAT_SEED_BIN:
         bins = [f.path for f in manifest.files if parse_seed_bin(f.path) is not None]
         if len(bins) == 1:

@@ -23,7 +23,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -53,11 +52,12 @@ from runner.errors import (
     TrainerIntegrityError,
     TrainerUsageError,
 )
-from runner.preemption.startup import StartupInterrupted, run_interruptible
+from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
+from runner.runtime.lifecycle import ResumePoint, ResumeSource, end_run, find_resume, report_resume
 from runner.storage.file import FileStorage
-from runner.supervisor.adopt import Adopted, ResolveResume, ResumePoint, SeedAdopter, find_resume
+from runner.supervisor.adopt import Adopted, SeedAdopter, payload_path
 from runner.supervisor.child import (
     DEFAULT_TAIL_LINES,
     AttemptOutput,
@@ -85,8 +85,9 @@ SUPERVISOR_ONLY_ENV = frozenset(
 )
 
 
-class MirrorHook(Protocol):
-    """What the supervisor needs from the mirror (runner.mirror.Mirror fits)."""
+class MirrorHook(ResumeSource, Protocol):
+    """What the supervisor needs from the mirror (runner.mirror.Mirror fits): resume
+    resolution over it (runner.runtime.lifecycle), uploads."""
 
     def submit(self, ckpt: CommittedCheckpoint) -> None: ...
 
@@ -128,7 +129,6 @@ class Supervisor:
         controller: StopController,
         mirror: MirrorHook | None = None,
         metrics: MetricsHook | None = None,
-        resolve_resume: ResolveResume | None = None,
         restart_backoff: float = 1.0,
         max_backoff: float = 60.0,
         scan_interval: float = 0.2,
@@ -143,7 +143,6 @@ class Supervisor:
         self.controller = controller
         self.mirror = mirror
         self.metrics = metrics
-        self.resolve_resume = resolve_resume
         self.restart_backoff = restart_backoff
         self.max_backoff = max_backoff
         self.scan_interval = scan_interval
@@ -246,33 +245,35 @@ class Supervisor:
         self.attempts += 1
         try:
             # against a store that never answers this could outlast the grace period: a stop
-            # gives it up (nothing was started, nothing is published after that)
-            resume = run_interruptible(
-                lambda: find_resume(
-                    self.run_dir,
-                    resolve=self.resolve_resume,
-                    on_skip=self._skipped,
-                    fresh_start=self.config.fresh_start,
-                ),
+            # gives it up (nothing was started, nothing is published after that); verified
+            # is enough here, the trainer loads the checkpoint itself
+            resume = find_resume(
+                self.run_dir,
                 stop=self.controller,
-                what="resume resolution",
+                mirror=self.mirror,
+                metrics=self.metrics,
+                fresh_start=self.config.fresh_start,
             )
         except StartupInterrupted as exc:
             log.warning("%s; the trainer was not started, nothing was trained", exc)
             return EXIT_PREEMPTED
-        self._report_resume(resume)
         if resume is not None and (
             self.last_checkpoint is None or self.last_checkpoint.step < resume.step
         ):
             # the newest checkpoint may predate this process (a retry after a failed upload):
             # a finish or stop with nothing new written still makes sure it is in the mirror
-            self.last_checkpoint = CommittedCheckpoint(
-                step=resume.step, path=resume.step_dir, manifest=resume.manifest
-            )
-        # Steps the last attempt logged past this checkpoint are lost: mark them superseded
-        # in loss.jsonl, for trainers that keep one without knowing the marker rule.
+            self.last_checkpoint = resume.checkpoint
+        # Steps the last attempt logged past this checkpoint are lost: counted, and marked
+        # superseded in loss.jsonl; the "started trainer" line below says where it resumes.
         with LossLog(self.run_dir, attempt=f"{self.config.writer_id}/{self.attempts}") as losses:
-            losses.mark_resume(resume.step if resume else 0)
+            report_resume(
+                resume,
+                run_dir=self.run_dir,
+                loss_log=losses,
+                metrics=self.metrics,
+                attempt=self.attempts,
+                announce=False,
+            )
         # A SIGUSR1 that arrived while no trainer ran is dropped: forwarded to a new process
         # before it installs its handler, it would kill it (SIGUSR1's default action).
         self.controller.take_checkpoint_request()
@@ -297,7 +298,7 @@ class Supervisor:
             "started trainer pid %d (attempt %d), resume from %s",
             child.pid,
             self.attempts,
-            resume.payload if resume else "scratch",
+            payload_path(resume.step_dir, resume.manifest) if resume else "scratch",
         )
         try:
             stop_sent_at, killed = self._watch(child)
@@ -416,7 +417,14 @@ class Supervisor:
             return EXIT_OK
         # no deadline on a normal finish: a large checkpoint on a slow link is not a failure
         self.mirror.wait_idle(None)
-        if self.mirror.upload_now(newest, deadline=None):
+        ending = end_run(
+            mirror=self.mirror,
+            ckpt=newest,
+            stop=self.controller,
+            grace_seconds=self.config.grace_seconds,
+            stopped=False,
+        )
+        if ending.exit_code == EXIT_OK:
             return EXIT_OK
         log.error(
             "the trainer finished but checkpoint step %d is NOT in the mirror (errors above); "
@@ -426,7 +434,7 @@ class Supervisor:
             newest.path,
             self.run_dir,
         )
-        return EXIT_FAILURE
+        return ending.exit_code
 
     def _finish_stop(self, code: int, stop_sent_at: float, *, killed: bool) -> int:
         """After a stop we forwarded: 75 only when a final checkpoint stands, else 1 (2 or 3
@@ -491,21 +499,33 @@ class Supervisor:
                 "during the stop" if fresh else "before the stop",
                 past,
             )
-        if ckpt is not None and self.mirror is not None:
-            ok = self.mirror.upload_now(ckpt, deadline=self.controller.deadline)
+        # within the stop's deadline (runner.runtime.lifecycle.stop_deadline)
+        ending = end_run(
+            mirror=self.mirror,
+            ckpt=ckpt,
+            stop=self.controller,
+            grace_seconds=grace,
+            stopped=True,
+            final=final,
+            stopped_without_final=(
+                code if not killed and code in (EXIT_USAGE, EXIT_INTEGRITY) else EXIT_FAILURE
+            ),
+        )
+        if ckpt is not None and ending.landed is not None:
             log.warning(
                 "%s checkpoint step %d %s the mirror",
                 "final" if final else "newest",
                 ckpt.step,
-                "is in" if ok else "did NOT reach",
+                "is in" if ending.landed else "did NOT reach",
             )
         if self.controller.stop_count > 1:
             log.info("%d stop requests received; the first one decided", self.controller.stop_count)
-        if final:
-            return EXIT_PREEMPTED
-        exit_code = code if not killed and code in (EXIT_USAGE, EXIT_INTEGRITY) else EXIT_FAILURE
-        log.error("exiting %d, not 75: no final checkpoint was committed for this stop", exit_code)
-        return exit_code
+        if ending.exit_code != EXIT_PREEMPTED:
+            log.error(
+                "exiting %d, not 75: no final checkpoint was committed for this stop",
+                ending.exit_code,
+            )
+        return ending.exit_code
 
     def _newest_committed(self) -> CommittedCheckpoint | None:
         """The newest checkpoint directory with a valid manifest (committed; not hashed here:
@@ -571,24 +591,6 @@ class Supervisor:
             self.adopter.rejected.clear()
         return adopted
 
-    def _skipped(self, step: int, why: str) -> None:
-        # the resolver has logged it
-        if self.metrics is not None:
-            self.metrics.checkpoint_failed("verify")
-
-    def _report_resume(self, resume: ResumePoint | None) -> None:
-        if self.metrics is None:
-            return
-        if resume is not None and self.attempts == 1:
-            created = datetime.fromisoformat(resume.manifest.created_at.replace("Z", "+00:00"))
-            self.metrics.checkpoint_found(
-                location="local", step=resume.step, created_at=created.timestamp()
-            )
-        if self.attempts > 1 or resume is not None:
-            self.metrics.resumed(steps_lost=self._steps_lost(resume))
-        if resume is not None:
-            self.metrics.train_step(resume.step)
-
     def _report_step(self) -> None:
         """The trainer's step, from its loss.jsonl when it keeps one."""
         step = self._loss.poll()
@@ -597,7 +599,7 @@ class Supervisor:
             if self.metrics is not None:
                 self.metrics.train_step(step)
 
-    def _child_env(self, resume: ResumePoint | None) -> dict[str, str]:
+    def _child_env(self, resume: ResumePoint[None] | None) -> dict[str, str]:
         # The supervisor owns the mirror, the metrics port and the notice poller: a child
         # that is itself a runner (`runner run -- runner demo`) must not start its own.
         env = {k: v for k, v in os.environ.items() if k not in SUPERVISOR_ONLY_ENV}
@@ -614,18 +616,10 @@ class Supervisor:
                 env[name] = str(value)
         env[ENV_RUN_DIR] = str(self.run_dir)
         env[ENV_CKPT_DIR] = str(self.ckpt_dir)
-        env[ENV_RESUME_FROM] = str(resume.payload) if resume else ""
+        env[ENV_RESUME_FROM] = str(payload_path(resume.step_dir, resume.manifest)) if resume else ""
         env[ENV_RESUME_FORMAT] = resume.manifest.format if resume else ""
         env[ENV_RESUME_STEP] = str(resume.step) if resume else ""
         env[ENV_ATTEMPT] = str(self.attempts)
         if self._run_lock is not None:
             env.update(self._run_lock.child_env())
         return env
-
-    def _steps_lost(self, resume: ResumePoint | None) -> int:
-        """Steps the crashed attempt logged past the checkpoint we resume from (when the
-        trainer keeps loss.jsonl; 0 otherwise)."""
-        logged = LossLog(self.run_dir).read()
-        if not logged:
-            return 0
-        return max(0, max(logged) - (resume.step if resume else 0))
