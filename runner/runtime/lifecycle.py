@@ -183,6 +183,7 @@ def report_resume(
     history: Sequence[float] | None = None,
     counters: Counters | None = None,
     announce: bool = True,
+    logger: logging.Logger = log,
 ) -> int:
     """Report where attempt number `attempt` continues from; returns the steps lost.
 
@@ -191,7 +192,8 @@ def report_resume(
     carries) rebuilds the lines a fresh node lost with its disk. Metrics: a restart counts as
     a resume even from scratch, and the checkpoint found is reported for the first attempt.
     `announce` logs the outcome ("resumed from ..."; the supervisor says it its own way) with
-    `counters` (the restored ones; the manifest's otherwise)."""
+    `counters` (the restored ones; the manifest's otherwise), under the caller's `logger`
+    (the README shows TrainSession's lines as runner.session.train_session's)."""
     step = point.step if point is not None else 0
     lost = steps_lost(loss_log, step)
     loss_log.mark_resume(step)
@@ -208,9 +210,9 @@ def report_resume(
     if not announce:
         return lost
     if point is None:
-        log.info("no checkpoint to resume from in %s: starting at step 0", run_dir)
+        logger.info("no checkpoint to resume from in %s: starting at step 0", run_dir)
         return lost
-    log.info(
+    logger.info(
         "resumed from %s (step %d, %d samples seen%s)",
         point.step_dir,
         counters.step if counters is not None else point.step,

@@ -181,7 +181,9 @@ class TrainSession:
             self._give_up_startup(exc)
             return None
         if point is None:
-            report_resume(None, run_dir=self.run_dir, loss_log=self.loss_log, metrics=self.metrics)
+            report_resume(
+                None, run_dir=self.run_dir, loss_log=self.loss_log, metrics=self.metrics, logger=log
+            )
             self.policy = self._policy(start_step=0)
             return None
         try:
@@ -209,6 +211,7 @@ class TrainSession:
             metrics=self.metrics,
             history=self.state.loss_history,
             counters=counters,
+            logger=log,
         )
         if self.mirror is not None:
             try:
