@@ -58,9 +58,12 @@ class RankContext:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> RankContext:
-        """The context torchrun's variables describe; rank 0 of 1 when none is set. A variable
-        that is set but not a whole number, or values that contradict each other, are a
-        ConfigError (exit 2) naming the variable."""
+        """The context torchrun's variables describe; rank 0 of 1 without WORLD_SIZE. torchrun
+        sets all of them, so a lone RANK or LOCAL_RANK left in the environment by something
+        else is ignored rather than fatal. With WORLD_SIZE set, a variable that is not a whole
+        number, or values that contradict each other, are a ConfigError (exit 2) naming it."""
+        if _integer(environ, "WORLD_SIZE") is None:
+            return cls()
         values = {name: _integer(environ, name) for name in ENV_VARIABLES}
         defaults = cls()
         return cls(

@@ -59,6 +59,12 @@ def test_torchrun_variables_are_carried_and_change_nothing_yet() -> None:
     assert ctx.acts_as_primary
 
 
+def test_stray_variables_without_world_size_are_ignored() -> None:
+    # torchrun always sets WORLD_SIZE; a lone RANK left by another tool must not stop a run
+    for environ in ({"RANK": "1"}, {"RANK": "x", "LOCAL_RANK": "5"}, {"GROUP_RANK": "-3"}):
+        assert RankContext.from_env(environ) == SINGLE_PROCESS, environ
+
+
 def test_primary_and_local_primary() -> None:
     node_1_first = RankContext(rank=2, world_size=4, local_rank=0, local_world_size=2, node_rank=1)
     assert not node_1_first.is_primary and node_1_first.is_local_primary
@@ -73,7 +79,10 @@ def test_primary_and_local_primary() -> None:
             {"RANK": "2", "WORLD_SIZE": "2"},
             "RANK must be 0..WORLD_SIZE-1 (got RANK=2, WORLD_SIZE=2)",
         ),
-        ({"RANK": "1"}, "RANK must be 0..WORLD_SIZE-1 (got RANK=1, WORLD_SIZE=1)"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "1"},
+            "RANK must be 0..WORLD_SIZE-1 (got RANK=1, WORLD_SIZE=1)",
+        ),
         ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK must be 0..WORLD_SIZE-1 (got RANK=-1"),
         ({"WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1 (got 0)"),
         (
@@ -84,7 +93,7 @@ def test_primary_and_local_primary() -> None:
             {"WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
             "LOCAL_RANK must be 0..LOCAL_WORLD_SIZE-1 (got LOCAL_RANK=2, LOCAL_WORLD_SIZE=2)",
         ),
-        ({"GROUP_RANK": "-3"}, "GROUP_RANK must be >= 0 (got -3)"),
+        ({"WORLD_SIZE": "2", "GROUP_RANK": "-3"}, "GROUP_RANK must be >= 0 (got -3)"),
         ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' must be a whole number"),
         ({"WORLD_SIZE": "2.0"}, "WORLD_SIZE='2.0' must be a whole number"),
     ],
