@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from runner.checkpoint import atomic
-from runner.checkpoint.reader import load_state
+from runner.atomicity import files as atomic
+from runner.checkpoint.load import load_state
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 
 DEFAULT_WRITEBACK_EVERY = atomic.WRITEBACK_EVERY
