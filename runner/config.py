@@ -117,18 +117,22 @@ class RunConfig:
         if not -(1 << 63) <= self.seed < (1 << 64):
             raise ConfigError(f"--seed must fit in 64 bits (got {self.seed})")
         if self.mirror is not None:
-            from runner.storage import mirror_uri  # light: boto3 loads only for s3://
-
-            self.mirror = mirror_uri(self.mirror)
-            # resolved, not compared as text: a symlink to the run dir or `..` in a file://
-            # URI names the same directory, which cannot be its own copy
-            local = self.mirror.removeprefix("file://")
-            if local != self.mirror and os.path.realpath(local) == os.path.realpath(self.run_dir):
-                raise ConfigError(
-                    f"--mirror {self.mirror} is the run dir itself: give another directory"
-                )
+            self.mirror = _mirror_of(self.mirror, run_dir=self.run_dir)
         if self.notice_endpoint is not None:
             _check_endpoint(self.notice_endpoint)
+
+
+def _mirror_of(mirror: str, *, run_dir: Path) -> str:
+    """--mirror as a URI; ConfigError when it names the run dir itself."""
+    from runner.storage import mirror_uri  # light: boto3 loads only for s3://
+
+    uri = mirror_uri(mirror)
+    # resolved, not compared as text: a symlink to the run dir or `..` in a file://
+    # URI names the same directory, which cannot be its own copy
+    local = uri.removeprefix("file://")
+    if local != uri and os.path.realpath(local) == os.path.realpath(run_dir):
+        raise ConfigError(f"--mirror {uri} is the run dir itself: give another directory")
+    return uri
 
 
 # Upper bounds of numeric settings: far beyond any real use, low enough that nothing
