@@ -55,6 +55,8 @@ class RunnerMetrics:
         clock: Callable[[], float] = time.time,
         mirrored: bool = True,
     ) -> None:
+        """Declares every metric of DESIGN.md's 'Metrics' table, one statement each: long, but
+        the names, help texts and labels a dashboard depends on stay in one readable list."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
         self._started_at = clock()
