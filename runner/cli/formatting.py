@@ -1,6 +1,16 @@
-"""Human-readable sizes and ages, one style for every command."""
+"""Human-readable sizes and ages, and JSON output, one style for every command."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+
+def echo_json(data: Any) -> None:
+    """`--json` output: indented, keys sorted."""
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
 def human_size(size: int) -> str:
