@@ -17,8 +17,10 @@ from runner.checkpoint.formats.seedbin import (
     write_seed_file,
 )
 from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, seed_bin_name, step_dir_name
+from runner.checkpoint.listing import read_manifest_dir
+from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import FORMAT_SEED_BIN
-from runner.checkpoint.reader import load_state, newest_verified, read_manifest_dir, verify_dir
+from runner.checkpoint.verify import newest_verified, verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
 

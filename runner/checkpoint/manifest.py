@@ -2,6 +2,9 @@
 
 The manifest is written last; a checkpoint without a valid manifest does not exist. Paths in
 `files` are relative to the checkpoint directory and may never escape it.
+
+Long (about 300 lines): the fields, their bounds (`validate`) and the schema migrations are one
+format and change together.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class Manifest:
         """Parse, migrate to the current schema and validate. Raises IntegrityError/SchemaError.
 
         `raw` longer than MAX_MANIFEST_BYTES is refused before parsing; readers should not
-        read more than that in the first place (see `runner.checkpoint.reader`)."""
+        read more than that in the first place (see `runner.checkpoint.listing`)."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise IntegrityError(
                 f"{source}: {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may "
@@ -115,8 +118,14 @@ class Manifest:
         return manifest
 
     def validate(self, *, source: str = "manifest.json") -> None:
+        """The bounds of verification rule 1 (runner.checkpoint.verify): the schema, then the
+        counters and fields, then the file list."""
         if self.schema != SCHEMA_VERSION:
             raise SchemaError(f"{source}: schema {self.schema!r} is not {SCHEMA_VERSION!r}")
+        self._validate_fields(source)
+        self._validate_files(source)
+
+    def _validate_fields(self, source: str) -> None:
         limits = {
             "step": MAX_STEP,
             "samples_seen": MAX_COUNTER,
@@ -142,6 +151,8 @@ class Manifest:
                 raise IntegrityError(f"{source}: {name} must be a string")
         if not isinstance(self.extra, dict):
             raise IntegrityError(f"{source}: extra must be an object")
+
+    def _validate_files(self, source: str) -> None:
         if not isinstance(self.files, list) or not self.files:
             raise IntegrityError(f"{source}: lists no files")
         if len(self.files) > MAX_FILES:

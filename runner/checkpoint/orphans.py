@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from runner.checkpoint.aside import protected_keys
 from runner.checkpoint.layout import CHECKPOINTS_DIR, checkpoint_key, manifest_key, parse_step_dir
-from runner.checkpoint.reader import read_manifest
+from runner.checkpoint.listing import read_manifest
 from runner.errors import RunnerError
 from runner.storage.base import ObjectInfo, Storage
 

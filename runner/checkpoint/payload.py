@@ -16,6 +16,8 @@ from typing import Any
 
 from runner.errors import IntegrityError, SchemaError
 
+# The torch-state format's payload file (not the sidecar runner.checkpoint.layout.STATE_FILE).
+STATE_FILE = "state.pt"
 PAYLOAD_SCHEMA = "2"
 SUPPORTED_PAYLOAD_SCHEMAS = ("1", "2")
 COUNTER_FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "world_size")

@@ -14,15 +14,10 @@ import shutil
 from runner.atomicity.files import fsync_dir
 from runner.atomicity.temp import temp_path
 from runner.checkpoint.aside import protected_keys
+from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.layout import checkpoint_key, manifest_key
-from runner.checkpoint.reader import (
-    check_payload_counters,
-    check_remote_sizes,
-    list_checkpoints,
-    read_manifest,
-    verify_checkpoint,
-    verify_dir,
-)
+from runner.checkpoint.listing import list_checkpoints, read_manifest
+from runner.checkpoint.verify import check_remote_sizes, verify_checkpoint, verify_dir
 from runner.errors import (
     ConfigError,
     RunnerError,
@@ -57,7 +52,8 @@ def prune(
     `remote_sizes_only` a mirror's candidate is checked by manifest and sizes only (the
     background mirror: hashing a remote copy means downloading it, and what it trusts most it
     uploaded itself). Steps found good are added to `known_good`, so a caller that keeps the
-    set checks each checkpoint once."""
+    set checks each checkpoint once. Long: one newest-first pass that counts the K usable ones,
+    skips protected and foreign ones and deletes the rest, read top to bottom."""
     if keep < MIN_KEEP:
         raise ConfigError(
             f"--keep must be >= {MIN_KEEP} (got {keep}): the newest checkpoint may still be in "

@@ -8,6 +8,10 @@ A crash at any instant leaves the previous checkpoints untouched and, at worst, 
 directory that readers ignore and `cleanup_partial` removes. A writer keeps no mutable state
 between calls (the only shared fact is the process-wide, locked set of temp dirs being
 written), so `write_state` can run on a snapshot in a background thread.
+
+Long (about 300 lines): `CheckpointWriter` is the one commit protocol (stage, hash, fsync,
+rename, fsync), kept in one class so that its order reads in one place; staging, aside and
+retention are modules of their own.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp, temp
 from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_TORCH, Manifest
-from runner.checkpoint.payload import with_schema
-from runner.checkpoint.reader import STATE_FILE, verify_dir
+from runner.checkpoint.payload import STATE_FILE, with_schema
 from runner.checkpoint.staging import Staging
+from runner.checkpoint.verify import verify_dir
 from runner.errors import (
     CheckpointConflictError,
     ConfigError,

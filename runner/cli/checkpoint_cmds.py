@@ -41,12 +41,9 @@ def _echo_json(data: Any) -> None:
 @_json_option
 def ls(location: str, deep: bool, as_json: bool) -> None:
     """List the checkpoints at LOCATION: step, size, age, format, verified."""
-    from runner.checkpoint.reader import (
-        list_checkpoints,
-        misplaced_hint,
-        read_manifest,
-        verify_checkpoint,
-    )
+    from runner.checkpoint.hints import misplaced_hint
+    from runner.checkpoint.listing import list_checkpoints, read_manifest
+    from runner.checkpoint.verify import verify_checkpoint
     from runner.errors import RunnerError
     from runner.storage import open_existing
 
@@ -116,14 +113,10 @@ def verify(location: str, step: int | None, as_json: bool) -> None:
     """Hash every file of every checkpoint at LOCATION and name each corrupt one.
 
     Exits 3 when the newest checkpoint (or --step) is corrupt, or when there is none."""
+    from runner.checkpoint.hints import misplaced_hint
     from runner.checkpoint.layout import checkpoint_key
-    from runner.checkpoint.reader import (
-        CheckpointStatus,
-        list_checkpoints,
-        misplaced_hint,
-        scan,
-        verify_checkpoint,
-    )
+    from runner.checkpoint.listing import list_checkpoints
+    from runner.checkpoint.verify import CheckpointStatus, scan, verify_checkpoint
     from runner.errors import RunnerError
     from runner.storage import open_existing
 

@@ -41,7 +41,8 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
     step was restored, 3 when some could only be set aside."""
     from runner.checkpoint.aside import CORRUPT, decommit_remote, set_aside_local
     from runner.checkpoint.layout import checkpoint_key
-    from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+    from runner.checkpoint.listing import list_checkpoints
+    from runner.checkpoint.verify import verify_checkpoint
     from runner.mirror import upload_checkpoint
     from runner.storage import is_run_dir_path, open_existing
     from runner.storage.file import FileStorage
@@ -108,7 +109,7 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
 def _good_copy(origin: Storage | None, step: int, run_dir: Path) -> Path | None:
     """A verified copy of `step` from the source location, downloaded into `run_dir` (so a
     mirror's attempt directories are stripped whatever the source's kind), or None."""
-    from runner.checkpoint.reader import list_checkpoints
+    from runner.checkpoint.listing import list_checkpoints
     from runner.mirror import download_checkpoint
 
     if origin is None or step not in list_checkpoints(origin):

@@ -49,12 +49,9 @@ class LocationStatus:
 def location_status(location: str, *, verify: bool, now: float) -> LocationStatus:
     """Read (and with `verify`, hash) the checkpoints at `location`, newest first, until one
     verifies."""
-    from runner.checkpoint.reader import (
-        list_checkpoints,
-        misplaced_hint,
-        read_manifest,
-        verify_checkpoint,
-    )
+    from runner.checkpoint.hints import misplaced_hint
+    from runner.checkpoint.listing import list_checkpoints, read_manifest
+    from runner.checkpoint.verify import verify_checkpoint
     from runner.storage import open_existing
 
     # a missing local directory is a mistyped path (exit 2, as in ls/verify), while an

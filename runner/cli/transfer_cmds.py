@@ -34,7 +34,8 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
     there is corrupt (set aside first, never one that verifies); corrupt local ones are
     reported, not sent, and make the command exit 3."""
     from runner.checkpoint.layout import checkpoint_key
-    from runner.checkpoint.reader import list_checkpoints, verify_dir
+    from runner.checkpoint.listing import list_checkpoints
+    from runner.checkpoint.verify import verify_dir
     from runner.console.progress import transfer_progress
     from runner.errors import RunnerError
     from runner.mirror import remote_manifest, upload_checkpoint
@@ -96,7 +97,7 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
     """Download a checkpoint from LOCATION into the run dir DEST, verifying every sha256.
     Without --step: the newest one that verifies; corrupt newer ones are reported and
     skipped. Exit 3 when nothing verifies."""
-    from runner.checkpoint.reader import list_checkpoints, read_manifest
+    from runner.checkpoint.listing import list_checkpoints, read_manifest
     from runner.console.progress import transfer_progress
     from runner.mirror import download_checkpoint
     from runner.storage import open_existing
@@ -144,7 +145,7 @@ def _refuse_to_replace_a_different_checkpoint(dest: Path, remote: Manifest, *, s
     for another run's. A corrupt local copy may be replaced (that is a repair), an identical
     one is left as it is."""
     from runner.checkpoint.layout import checkpoint_key
-    from runner.checkpoint.reader import verify_dir
+    from runner.checkpoint.verify import verify_dir
 
     local_dir = dest / checkpoint_key(remote.step)
     if not local_dir.exists():

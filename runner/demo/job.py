@@ -6,8 +6,8 @@ import logging
 import sys
 import time
 
+from runner.checkpoint.listing import local_step_dir, read_manifest_dir
 from runner.checkpoint.manifest import created_at_unix
-from runner.checkpoint.reader import local_step_dir, read_manifest_dir
 from runner.config import RunConfig
 from runner.demo.components import build_demo
 from runner.demo.display import ProgressDisplay

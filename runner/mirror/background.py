@@ -5,6 +5,10 @@ One background thread uploads periodic checkpoints. The queue holds one slot and
 wins: a checkpoint superseded by a newer one before its upload started is skipped (and logged),
 since only the newest matters for resume. After each upload the mirror keeps the newest K
 checkpoints, never deleting one being uploaded or the newest verified one.
+
+Long (about 370 lines): `Mirror` is one state machine (the queue slot, the uploads in flight,
+retention, the final upload under a deadline) guarded by one condition variable; split, that
+lock would be shared across modules.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from pathlib import Path
 from typing import Protocol
 
 from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S, sweep_orphans
-from runner.checkpoint.reader import check_remote_sizes
 from runner.checkpoint.retention import prune
+from runner.checkpoint.verify import check_remote_sizes
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import (
     ConfigError,
@@ -164,8 +168,26 @@ class Mirror:
         thread = threading.Thread(target=work, name=f"final-upload-{ckpt.step}", daemon=True)
         thread.start()
         thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        elapsed = time.monotonic() - started
-        if thread.is_alive() and not outcome:
+        return self._report_final(
+            ckpt,
+            timed_out=thread.is_alive() and not outcome,
+            durable=bool(outcome) and outcome[0],
+            elapsed=time.monotonic() - started,
+            deadline=deadline,
+        )
+
+    def _report_final(
+        self,
+        ckpt: CommittedCheckpoint,
+        *,
+        timed_out: bool,
+        durable: bool,
+        elapsed: float,
+        deadline: float | None,
+    ) -> bool:
+        """Log how the final upload ended (`timed_out`: still running at its deadline with
+        no outcome) and return `durable`, whether the checkpoint is durable in the mirror."""
+        if timed_out:
             log.error(
                 "final checkpoint step %d did NOT reach %s before the deadline (%.1fs spent); "
                 "the next run resumes from the newest checkpoint already there",
@@ -176,7 +198,7 @@ class Mirror:
             self._failed(ckpt.step, "deadline passed")
             note_abandoned_work()  # its transfer threads must not hold the process's exit
             return False
-        if not outcome or not outcome[0]:
+        if not durable:
             log.error(
                 "final checkpoint step %d did NOT reach %s: %s",
                 ckpt.step,

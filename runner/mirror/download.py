@@ -11,14 +11,16 @@ from runner.atomicity.files import atomic_write_bytes, fsync_dir
 from runner.atomicity.publish import Existing, publish_dir
 from runner.atomicity.temp import temp_name
 from runner.checkpoint.aside import CORRUPT, set_aside_local
+from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
     checkpoint_key,
     step_dir_name,
 )
+from runner.checkpoint.listing import read_manifest
 from runner.checkpoint.manifest import FileEntry, Manifest
-from runner.checkpoint.reader import check_payload_counters, read_manifest, verify_dir
+from runner.checkpoint.verify import verify_dir
 from runner.errors import CheckpointConflictError, IntegrityError, SchemaError
 from runner.mirror.remote_layout import to_local
 from runner.preemption.startup import publishing
@@ -55,25 +57,8 @@ def download_checkpoint(
     staging = ckpt_dir / temp_name(step_dir_name(step))
     staging.mkdir()
     try:
-        base = checkpoint_key(step)
-        with ThreadPoolExecutor(
-            max_workers=max(1, min(file_workers, len(local.files))),
-            thread_name_prefix=f"download-{step}",
-        ) as pool:
-            jobs = [
-                pool.submit(
-                    _download_one,
-                    storage,
-                    key=f"{base}/{remote_entry.path}",
-                    dst=staging / entry.path,
-                    entry=entry,
-                    progress=progress,
-                )
-                for entry, remote_entry in zip(local.files, remote.files, strict=True)
-            ]
-            for job in jobs:
-                job.result()
-        # the same rules as every other check (runner.checkpoint.reader): the files were
+        _fetch_files(storage, remote, local, staging, progress=progress, file_workers=file_workers)
+        # the same rules as every other check (runner.checkpoint.verify): the files were
         # hashed as they arrived; the payload's counters must agree with the manifest too,
         # or a mislabelled checkpoint would be published and only refused when loaded
         check_payload_counters(staging, local)
@@ -85,6 +70,37 @@ def download_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
     log.info("downloaded checkpoint step %d from %s to %s", step, storage.uri, final)
     return final
+
+
+def _fetch_files(
+    storage: Storage,
+    remote: Manifest,
+    local: Manifest,
+    staging: Path,
+    *,
+    progress: ProgressCallback | None,
+    file_workers: int,
+) -> None:
+    """Every file of `remote` into `staging` under its local name, several at once, each
+    hashed against the manifest as it arrives."""
+    base = checkpoint_key(local.step)
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(file_workers, len(local.files))),
+        thread_name_prefix=f"download-{local.step}",
+    ) as pool:
+        jobs = [
+            pool.submit(
+                _download_one,
+                storage,
+                key=f"{base}/{remote_entry.path}",
+                dst=staging / entry.path,
+                entry=entry,
+                progress=progress,
+            )
+            for entry, remote_entry in zip(local.files, remote.files, strict=True)
+        ]
+        for job in jobs:
+            job.result()
 
 
 def _download_one(

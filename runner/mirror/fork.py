@@ -23,7 +23,7 @@ from typing import Any
 
 from runner.atomicity.files import atomic_write_bytes
 from runner.checkpoint.layout import CHECKPOINTS_DIR, LOSS_FILE, checkpoint_key
-from runner.checkpoint.reader import list_checkpoints, read_manifest
+from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import (
     ConfigError,
@@ -167,8 +167,8 @@ def _copy_loss_history(
 def _checkpoint_loss_history(checkpoint: CommittedCheckpoint) -> list[float]:
     """The loss history the checkpoint's train state carries (steps 1..N); empty for a format
     that holds none (seed-bin) or a payload that does not load."""
+    from runner.checkpoint.load import load_state
     from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_TORCH
-    from runner.checkpoint.reader import load_state
 
     if checkpoint.manifest.format not in (FORMAT_TORCH, FORMAT_CHUNKED):
         log.info(

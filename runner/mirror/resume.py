@@ -8,6 +8,9 @@ list of every checkpoint and why it was refused, and writes nothing. `fresh_star
 explicit way past that: the unusable checkpoints are set aside (runner.checkpoint.aside),
 never deleted, and training starts at step 0. It only acts when nothing usable exists: a
 setting left on in a deploy file never discards a good checkpoint.
+
+Long (about 320 lines): one resolution (newest first, local then mirror) and the refusal it
+reports; downloading and loading live in runner.mirror.download and the caller's `load`.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from runner.checkpoint.layout import (
     parse_step_dir,
     step_dir_name,
 )
+from runner.checkpoint.listing import list_checkpoints, read_manifest_dir
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import list_checkpoints, read_manifest_dir, verify_dir
+from runner.checkpoint.verify import verify_dir
 from runner.errors import (
     IntegrityError,
     RunnerError,
@@ -96,7 +100,10 @@ def choose_resume(
     used. A mirror that cannot be reached raises (after retries) rather than falling back:
     starting from scratch because the bucket was briefly unreachable would throw work away.
     Each refusal is logged once, at `refusal_log_level` (a trainer under `runner run` lowers
-    it: its supervisor resolved the same run dir and already logged them)."""
+    it: its supervisor resolved the same run dir and already logged them).
+
+    Long: one walk over the steps, newest first, trying the local copy then the mirror's,
+    read top to bottom."""
     run_dir = Path(run_dir)
     local_steps, seed_files = _local_entries(run_dir)
     remote_steps = set(list_checkpoints(mirror)) if mirror is not None else set()
@@ -127,24 +134,29 @@ def choose_resume(
                 log.info("resuming from step %d, downloaded from %s", step, mirror.uri)
                 choice.refused = refused
                 return choice
-    for path in seed_files:
-        refused.append(
-            Refusal(
-                step=parse_seed_bin(path.name) or 0,
-                why=(
-                    f"{path}: a seed-format file waiting in the checkpoint directory; only "
-                    "`runner run` adopts those (or convert it: `runner convert`)"
-                ),
-                foreign=True,
-                local_path=path,
-            )
-        )
+    refused.extend(_seed_refusals(seed_files))
     if not refused:
         return None
     if not fresh_start:
         raise UnusableCheckpointsError(_refusal_message(run_dir, mirror, refused))
     _set_aside(run_dir, refused)
     return None
+
+
+def _seed_refusals(seed_files: list[Path]) -> list[Refusal]:
+    """Seed-format files waiting in the checkpoint directory: not resumable from here."""
+    return [
+        Refusal(
+            step=parse_seed_bin(path.name) or 0,
+            why=(
+                f"{path}: a seed-format file waiting in the checkpoint directory; only "
+                "`runner run` adopts those (or convert it: `runner convert`)"
+            ),
+            foreign=True,
+            local_path=path,
+        )
+        for path in seed_files
+    ]
 
 
 def resolve_resume(
@@ -235,7 +247,8 @@ def _try_remote(
 ) -> ResumeChoice | None:
     """Download a mirror's checkpoint into a staging dir, load it there, and only then put
     it in the run dir (setting aside the unusable local copy of that step, if any): a
-    refusal leaves the run dir as it was."""
+    refusal leaves the run dir as it was. Long: download, load and publish share one staging
+    directory and its cleanup."""
     ckpt_dir = run_dir / CHECKPOINTS_DIR
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     # a writer-style temp name: cleanup_partial removes what a crash leaves

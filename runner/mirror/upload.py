@@ -8,8 +8,9 @@ from pathlib import Path
 
 from runner.checkpoint.aside import CORRUPT, decommit_remote
 from runner.checkpoint.layout import checkpoint_key, manifest_key
+from runner.checkpoint.listing import read_manifest_bytes, read_manifest_dir
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import read_manifest_bytes, read_manifest_dir, verify_checkpoint
+from runner.checkpoint.verify import verify_checkpoint
 from runner.errors import (
     IntegrityError,
     RunnerError,
@@ -73,35 +74,12 @@ def upload_checkpoint(
     remote = to_remote(local, attempt=attempt)
     base = checkpoint_key(local.step)
     try:
-        with ThreadPoolExecutor(
-            max_workers=max(1, min(file_workers, len(local.files))),
-            thread_name_prefix=f"upload-{local.step}",
-        ) as pool:
-            jobs = [
-                pool.submit(
-                    _upload_one,
-                    storage,
-                    key=f"{base}/{remote_entry.path}",
-                    src=step_dir / entry.path,
-                    size=entry.size,
-                    sha256=entry.sha256,
-                    progress=progress,
-                )
-                for entry, remote_entry in zip(local.files, remote.files, strict=True)
-            ]
-            for job in jobs:
-                job.result()
+        _send_files(storage, step_dir, local, remote, progress=progress, file_workers=file_workers)
         storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
     except StorageConflictError:
-        winner = remote_manifest(storage, local.step)
-        if winner is not None and winner.extra.get(ATTEMPT_FIELD) == attempt:
-            # our own earlier try landed; only its answer was lost (the retry got 412)
-            log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
-            return remote
-        _discard_attempt(storage, base=base, attempt=attempt)
-        existing = _existing(storage, local, verify=False)
-        if existing is not None:
-            return existing
+        settled = _settle_conflict(storage, local, remote, base=base, attempt=attempt)
+        if settled is not None:
+            return settled
         raise
     except BaseException:
         _discard_attempt(storage, base=base, attempt=attempt)
@@ -114,6 +92,52 @@ def upload_checkpoint(
         local.total_bytes,
     )
     return remote
+
+
+def _settle_conflict(
+    storage: Storage, local: Manifest, remote: Manifest, *, base: str, attempt: str
+) -> Manifest | None:
+    """After the manifest write found the step taken: the mirror's manifest when it is ours
+    (an earlier try landed) or holds the same content, else None (this attempt discarded)."""
+    winner = remote_manifest(storage, local.step)
+    if winner is not None and winner.extra.get(ATTEMPT_FIELD) == attempt:
+        # our own earlier try landed; only its answer was lost (the retry got 412)
+        log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
+        return remote
+    _discard_attempt(storage, base=base, attempt=attempt)
+    return _existing(storage, local, verify=False)
+
+
+def _send_files(
+    storage: Storage,
+    step_dir: Path,
+    local: Manifest,
+    remote: Manifest,
+    *,
+    progress: ProgressCallback | None,
+    file_workers: int,
+) -> None:
+    """Every file of `step_dir` to its key in this attempt's directory, several at once,
+    each checked against the local manifest's size and sha256."""
+    base = checkpoint_key(local.step)
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(file_workers, len(local.files))),
+        thread_name_prefix=f"upload-{local.step}",
+    ) as pool:
+        jobs = [
+            pool.submit(
+                _upload_one,
+                storage,
+                key=f"{base}/{remote_entry.path}",
+                src=step_dir / entry.path,
+                size=entry.size,
+                sha256=entry.sha256,
+                progress=progress,
+            )
+            for entry, remote_entry in zip(local.files, remote.files, strict=True)
+        ]
+        for job in jobs:
+            job.result()
 
 
 def _upload_one(

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import load_state
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.state.counters import Counters
 

@@ -19,6 +19,10 @@ read timeouts are derived from it so that one try fits, and no try starts once t
 been failing for that long (docs/storage.md, "Time limits"). Permanent errors (403,
 NoSuchBucket, bad keys) are never retried. A failed multipart upload is aborted by
 s3transfer; if that abort itself fails, a sweep aborts the key's uploads started by this call.
+
+Long (about 500 lines) because `S3Storage` is one thing: every method shares the client,
+the retry budget (`_call`) and the error classification. The transfer settings and the
+upload checksum are in runner.storage.s3_transfer, the error mapping in runner.storage.s3_errors.
 """
 
 from __future__ import annotations
@@ -28,10 +32,8 @@ import contextlib
 import hashlib
 import io
 import logging
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
@@ -39,9 +41,7 @@ from urllib.parse import urlparse
 
 import boto3
 from botocore.config import Config
-from s3transfer.manager import TransferConfig, TransferManager
-from s3transfer.subscribers import BaseSubscriber
-from s3transfer.utils import ChunksizeAdjuster
+from s3transfer.manager import TransferManager
 
 from runner.atomicity.files import CHUNK, HashingFileWriter
 from runner.errors import (
@@ -59,92 +59,16 @@ from runner.storage.limits import DEFAULT_STORE_TIMEOUT_S
 from runner.storage.redact import has_userinfo, redact_url, strip_userinfo
 from runner.storage.retry import RetryPolicy
 from runner.storage.s3_errors import classify, client_config_error
+from runner.storage.s3_transfer import (
+    Moved,
+    Progress,
+    TransferSettings,
+    expected_checksum,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MiB = 1024 * 1024
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TransferSettings:
-    """How large objects are split and how many parts move at once."""
-
-    part_size: int = 16 * MiB
-    multipart_threshold: int = 16 * MiB
-    concurrency: int = 8
-    request_attempts: int = 3
-    """Tries of one HTTP request inside botocore (a dropped part is resent alone)."""
-    connect_timeout_s: float = 10.0
-    """Also bounds each blocked socket send (urllib3 sends the body under it)."""
-    read_timeout_s: float = 10.0
-    """Per socket read, not per object: a long transfer that keeps moving never hits it. It
-    also covers the wait for an answer after a part was handed to the kernel, which on a
-    slow link includes draining the socket's send buffer (up to a few MiB)."""
-    download_attempts: int = 2
-    """Tries of one ranged GET inside s3transfer when its body stream breaks off."""
-
-    def __post_init__(self) -> None:
-        if self.part_size < 5 * MiB:
-            raise ConfigError("S3 part size must be >= 5 MiB (the S3 minimum)")
-        if self.concurrency < 1 or self.request_attempts < 1 or self.download_attempts < 1:
-            raise ConfigError("S3 concurrency and request/download attempts must be >= 1")
-
-    @classmethod
-    def for_store_timeout(cls, seconds: float) -> TransferSettings:
-        """Socket timeouts sized so that one request, botocore's own retries included, takes
-        about half the store timeout at most against a store that never answers; never
-        above 10 s to connect and 20 s per read, nor below 2 s to connect and 1 s per read
-        unless the store timeout itself is shorter. Below 9 s the socket floors leave no
-        room for 3 botocore tries: then as many as fit (2, else 1), so that one request
-        (`request_worst_s`) still ends within the store timeout."""
-        share = seconds / (2 * 3)
-        connect = min(10.0, max(min(2.0, seconds), share))
-        read = min(20.0, max(min(1.0, seconds), share))
-        for attempts in (3, 2, 1):
-            settings = cls(
-                connect_timeout_s=connect, read_timeout_s=read, request_attempts=attempts
-            )
-            if settings.request_worst_s() <= seconds:
-                break
-        return settings
-
-    def request_worst_s(self) -> float:
-        """Longest one request can take against a store that accepts and never answers (or
-        never accepts): every botocore try times out, plus botocore's backoff between them
-        (standard mode: up to 2**(n-1) s before try n+1, at most 20 s)."""
-        backoff = sum(min(20.0, 2.0 ** (n - 1)) for n in range(1, self.request_attempts))
-        timeout = max(self.connect_timeout_s, self.read_timeout_s)
-        return self.request_attempts * timeout + backoff
-
-    def transfer_config(self) -> TransferConfig:
-        return TransferConfig(
-            multipart_threshold=self.multipart_threshold,
-            multipart_chunksize=self.part_size,
-            max_request_concurrency=self.concurrency,
-            num_download_attempts=self.download_attempts,
-        )
-
-
-class _Moved:
-    """When a transfer last moved a byte (time.monotonic()), for the store-timeout budget."""
-
-    def __init__(self) -> None:
-        self._at: float | None = None
-
-    def touch(self, _bytes: int) -> None:
-        self._at = time.monotonic()
-
-    def at(self) -> float | None:
-        return self._at
-
-
-class _Progress(BaseSubscriber):
-    def __init__(self, callback: ProgressCallback) -> None:
-        self._callback = callback
-
-    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
-        self._callback(bytes_transferred)
 
 
 def _is_aws_endpoint(url: str) -> bool:
@@ -295,41 +219,6 @@ class S3Storage:
 
     # -- upload --------------------------------------------------------------------------
 
-    def _expected_checksum(self, src: Path, *, size: int, sha256: str) -> str:
-        """Check the file still has the manifest's sha256 and return the SHA-256 checksum
-        the server should report: the full digest for one PUT, the composite of part
-        digests ("<b64>-<parts>") for a multipart upload. One read of the file; the part
-        digests are computed on a second core (hashlib releases the GIL)."""
-        multipart = size >= self.settings.multipart_threshold
-        part_size = ChunksizeAdjuster().adjust_chunksize(self.settings.part_size, size)
-        full = hashlib.sha256()
-        parts: list[bytes] = []
-        with open(src, "rb") as f, ThreadPoolExecutor(1, "part-digests") as helper:
-            while True:
-                part = hashlib.sha256()
-                remaining = part_size if multipart else size
-                while remaining:
-                    chunk = f.read(min(CHUNK, remaining))
-                    if not chunk:
-                        break
-                    pending = helper.submit(part.update, chunk) if multipart else None
-                    full.update(chunk)
-                    if pending is not None:
-                        pending.result()
-                    remaining -= len(chunk)
-                if not multipart or remaining == part_size:
-                    break
-                parts.append(part.digest())
-        if full.hexdigest() != sha256:
-            raise IntegrityError(
-                f"{src} no longer matches its manifest (sha256 {full.hexdigest()[:12]}... "
-                f"!= {sha256[:12]}...); not uploading a corrupt file"
-            )
-        if not multipart:
-            return base64.b64encode(full.digest()).decode()
-        composite = hashlib.sha256(b"".join(parts)).digest()
-        return f"{base64.b64encode(composite).decode()}-{len(parts)}"
-
     def put_file(
         self,
         key: str,
@@ -338,20 +227,24 @@ class S3Storage:
         sha256: str | None = None,
         progress: ProgressCallback | None = None,
     ) -> None:
+        """Long: the local hash pass, the transfer and what a failure undoes (abort, delete)
+        share one budgeted call."""
         full_key = self._full(key)
         size = Path(src).stat().st_size
-        moved = _Moved()
+        moved = Moved()
         with ThreadPoolExecutor(1, "upload-checksum") as pool:
             # the local hash pass overlaps the transfer; it is checked before verifying
             checksum = (
-                pool.submit(self._expected_checksum, src, size=size, sha256=sha256)
+                pool.submit(
+                    expected_checksum, src, size=size, sha256=sha256, settings=self.settings
+                )
                 if sha256
                 else None
             )
 
             def upload() -> None:
                 started = datetime.now(UTC)
-                subscribers = [_Progress(moved.touch)] + ([_Progress(progress)] if progress else [])
+                subscribers = [Progress(moved.touch)] + ([Progress(progress)] if progress else [])
                 try:
                     with TransferManager(
                         self._client, config=self.settings.transfer_config()
@@ -490,10 +383,10 @@ class S3Storage:
         rename. With size / sha256 given, a mismatch raises IntegrityError and leaves nothing."""
         full_key = self._full(key)
         dst = Path(dst)
-        moved = _Moved()
+        moved = Moved()
 
         def download() -> None:
-            subscribers = [_Progress(moved.touch)] + ([_Progress(progress)] if progress else [])
+            subscribers = [Progress(moved.touch)] + ([Progress(progress)] if progress else [])
             with HashingFileWriter(dst) as writer:
                 with TransferManager(
                     self._client, config=self.settings.transfer_config()

@@ -35,7 +35,7 @@ from tenacity import (
 )
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR, parse_seed_bin, parse_step_dir
-from runner.checkpoint.reader import read_manifest_dir
+from runner.checkpoint.listing import read_manifest_dir
 from runner.checkpoint.retention import prune
 from runner.checkpoint.sidecars import LossFollower, LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint

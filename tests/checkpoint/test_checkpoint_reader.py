@@ -10,14 +10,10 @@ import pytest
 import torch
 
 from runner.checkpoint.layout import checkpoint_key
+from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import (
-    list_checkpoints,
-    load_state,
-    newest_verified,
-    scan,
-    verify_checkpoint,
-)
+from runner.checkpoint.verify import newest_verified, scan, verify_checkpoint
 from runner.checkpoint.writer import CheckpointWriter
 from runner.errors import IntegrityError, SchemaError
 from runner.storage import open_storage
@@ -284,7 +280,7 @@ def _move_to_step(run: Path, src_step: int, dst_step: int) -> Path:
 def test_forged_step_is_refused_by_verify_load_and_newest(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
-    from runner.checkpoint.reader import verify_dir
+    from runner.checkpoint.verify import verify_dir
 
     save_checkpoint(2)
     save_checkpoint(3)
@@ -375,7 +371,7 @@ def test_seed_bin_header_step_must_match_the_manifest(tmp_path: Path) -> None:
 def test_directory_name_must_match_the_manifest_step(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
-    from runner.checkpoint.reader import read_manifest_dir
+    from runner.checkpoint.listing import read_manifest_dir
 
     ckpt = save_checkpoint(3)
     moved = ckpt.path.with_name("step_000009")
@@ -448,8 +444,8 @@ class _CountingStorage:
 def test_huge_manifest_is_refused_without_reading_it_all(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
+    from runner.checkpoint.listing import read_manifest, read_manifest_dir
     from runner.checkpoint.manifest import MAX_MANIFEST_BYTES
-    from runner.checkpoint.reader import read_manifest, read_manifest_dir
 
     ckpt = save_checkpoint(1)
     with open(ckpt.path / "manifest.json", "r+b") as f:  # 1 GiB, sparse: costs no disk
@@ -504,7 +500,7 @@ class _Streamed:
 def test_streamed_verify_checks_counters_within_its_bound_and_download_always(
     tmp_path: Path, save_checkpoint: SaveCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import runner.checkpoint.reader as reader
+    import runner.checkpoint.counter_check as counter_check
     from runner.mirror import download_checkpoint
 
     save_checkpoint(3)
@@ -518,7 +514,7 @@ def test_streamed_verify_checks_counters_within_its_bound_and_download_always(
     with pytest.raises(IntegrityError, match=r"\(step: manifest 9, payload 2\)"):
         verify_checkpoint(storage, 9)  # type: ignore[arg-type]  # chunked: the skeleton
     # a state.pt over the bound is not streamed twice: verify passes on hashes alone...
-    monkeypatch.setattr(reader, "REMOTE_COUNTER_CHECK_MAX_BYTES", 0)
+    monkeypatch.setattr(counter_check, "REMOTE_COUNTER_CHECK_MAX_BYTES", 0)
     assert verify_checkpoint(storage, 8).step == 8  # type: ignore[arg-type]
     # ...and the download refuses it before anything is published
     dest = tmp_path / "dest"

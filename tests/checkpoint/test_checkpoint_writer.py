@@ -16,7 +16,8 @@ import torch
 
 from runner.atomicity import files as atomic
 from runner.atomicity.files import PARALLEL_HASH_MIN, HashingFileWriter
-from runner.checkpoint.reader import load_state, verify_dir
+from runner.checkpoint.load import load_state
+from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointWriter
 from runner.errors import CheckpointConflictError, IntegrityError
 from tests.fixtures.ckpt import meta_for, state_fingerprint, tiny_train_state, tree_hashes

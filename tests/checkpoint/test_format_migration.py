@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import (
     FORMAT_CHUNKED,
     SCHEMA_VERSION,
@@ -16,7 +17,7 @@ from runner.checkpoint.manifest import (
     Manifest,
     migrate,
 )
-from runner.checkpoint.reader import load_state, verify_checkpoint, verify_dir
+from runner.checkpoint.verify import verify_checkpoint, verify_dir
 from runner.errors import SchemaError
 from runner.storage import open_storage
 from tests.fixtures.ckpt import state_fingerprint, tiny_train_state

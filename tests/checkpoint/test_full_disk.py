@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint.reader import verify_dir
 from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.verify import verify_dir
 from tests.fixtures.demo_process import checkpoint_steps, demo_cmd, run_demo, wait_for_step
 from tests.fixtures.metrics_scrape import scrape, value
 from tests.fixtures.prometheus import free_port

@@ -25,7 +25,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.reader import load_state, verify_dir
+from runner.checkpoint.load import load_state
+from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 
 TRIALS = 120

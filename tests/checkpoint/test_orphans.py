@@ -8,8 +8,9 @@ import os
 import time
 from pathlib import Path
 
+from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.orphans import find_orphans, sweep_orphans
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+from runner.checkpoint.verify import verify_checkpoint
 from runner.mirror import Mirror, upload_checkpoint
 from runner.storage import Storage, open_storage
 from tests.fixtures.ckpt import make_checkpoint

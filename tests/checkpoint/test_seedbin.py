@@ -12,7 +12,7 @@ import torch
 
 from runner.checkpoint.convert import bin_to_run_dir, checkpoint_to_bin
 from runner.checkpoint.formats.seedbin import read_header, seed_to_state, write_seed_file
-from runner.checkpoint.reader import verify_dir
+from runner.checkpoint.verify import verify_dir
 from runner.errors import ConfigError, IntegrityError
 from tests.fixtures.ckpt import SaveCheckpoint, state_fingerprint, tiny_train_state
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.reader import verify_dir
 from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.verify import verify_dir
 from tests.fixtures.demo_process import (
     DEMO_STEPS,
     checkpoint_steps,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from runner.checkpoint.reader import list_checkpoints, read_manifest
+from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.sidecars import LossLog
 from runner.storage.s3 import S3Storage
 from tests.fixtures.demo_process import (

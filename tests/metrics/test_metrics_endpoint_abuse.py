@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.reader import verify_dir
+from runner.checkpoint.verify import verify_dir
 from runner.metrics.registry import RunnerMetrics
 from runner.metrics.server import ServerLimits, serve_metrics
 from tests.fixtures.demo_process import checkpoint_steps, demo_cmd, logged_steps, wait_for_step

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.reader import verify_dir
+from runner.checkpoint.verify import verify_dir
 from runner.errors import CheckpointConflictError
 from runner.mirror import download_checkpoint, upload_checkpoint
 from runner.storage.file import FileStorage

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.layout import checkpoint_key, manifest_key
+from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint, verify_dir
+from runner.checkpoint.verify import verify_checkpoint, verify_dir
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import IntegrityError, StorageConflictError
 from runner.mirror import (
@@ -26,7 +27,7 @@ from runner.mirror import (
 )
 from runner.mirror.remote_layout import ATTEMPT_FIELD, to_local
 from runner.storage import Storage
-from runner.storage.s3 import MiB
+from runner.storage.s3_transfer import MiB
 from tests.fixtures.ckpt import make_checkpoint
 
 

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from runner.checkpoint.reader import list_checkpoints
+from runner.checkpoint.listing import list_checkpoints
 from runner.mirror import Mirror
 from runner.storage.base import ProgressCallback
 from runner.storage.file import FileStorage

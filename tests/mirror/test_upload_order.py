@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.layout import checkpoint_key, manifest_key
+from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+from runner.checkpoint.verify import verify_checkpoint
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import IntegrityError
 from runner.mirror import Mirror, upload_checkpoint

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.verify import verify_checkpoint
 from runner.storage.s3 import S3Storage
 from tests.fixtures.demo_process import checkpoint_steps
 from tests.fixtures.fault_proxy import HANG, SLOW_DOWN, FaultProxy

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import list_checkpoints, verify_dir
 from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.verify import verify_dir
 from runner.errors import (
     EXIT_FAILURE,
     EXIT_INTEGRITY,

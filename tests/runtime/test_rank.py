@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint.reader import list_checkpoints
+from runner.checkpoint.listing import list_checkpoints
 from runner.config import RunConfig
 from runner.errors import EXIT_USAGE, ConfigError
 from runner.preemption.stop import StopController

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.reader import load_state, verify_dir
+from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.session.checkpointer import (

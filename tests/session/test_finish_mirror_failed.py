@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint, verify_dir
+from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.verify import verify_checkpoint, verify_dir
 from runner.storage import Storage, open_storage
 from tests.fixtures.demo_process import checkpoint_steps, run_demo
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from runner.atomicity.files import sha256_file
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint, verify_dir
+from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.retention import prune
+from runner.checkpoint.verify import verify_checkpoint, verify_dir
 from runner.mirror import upload_checkpoint
 from runner.storage import open_storage
 from runner.storage.base import Storage

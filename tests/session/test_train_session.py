@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from runner.checkpoint.reader import list_checkpoints, read_manifest, verify_checkpoint
+from runner.checkpoint.listing import list_checkpoints, read_manifest
+from runner.checkpoint.verify import verify_checkpoint
 from runner.config import RunConfig
 from runner.errors import EXIT_INTEGRITY, UnusableCheckpointsError
 from runner.preemption.stop import StopController

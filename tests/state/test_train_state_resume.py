@@ -31,7 +31,7 @@ from runner.demo.components import build_demo
 torch.set_num_threads(int(sys.argv[2]))
 demo = build_demo(**json.loads(sys.argv[3]))
 from pathlib import Path
-from runner.checkpoint.reader import load_state
+from runner.checkpoint.load import load_state
 state = load_state(Path(sys.argv[1]))  # sha256-verified, then torch.load(weights_only=True)
 counters = demo.restore(state)
 restored = [counters.step, counters.epoch, counters.batch_in_epoch, counters.samples_seen]

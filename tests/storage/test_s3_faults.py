@@ -13,12 +13,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from runner.checkpoint.layout import manifest_key
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.verify import verify_checkpoint
 from runner.errors import StorageTransientError
 from runner.metrics.registry import RunnerMetrics
 from runner.mirror import Mirror, resolve_resume, upload_checkpoint
 from runner.storage.retry import RetryPolicy
-from runner.storage.s3 import MiB, S3Storage, TransferSettings
+from runner.storage.s3 import S3Storage
+from runner.storage.s3_transfer import MiB, TransferSettings
 from tests.fixtures.ckpt import make_checkpoint
 from tests.fixtures.fault_proxy import (
     CUT_RESPONSE,

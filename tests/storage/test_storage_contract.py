@@ -20,7 +20,8 @@ from runner.errors import (
 from runner.storage import Storage
 from runner.storage.file import FileStorage
 from runner.storage.retry import RetryPolicy
-from runner.storage.s3 import MiB, S3Storage
+from runner.storage.s3 import S3Storage
+from runner.storage.s3_transfer import MiB
 from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3
 
 

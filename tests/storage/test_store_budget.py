@@ -22,7 +22,8 @@ import pytest
 
 from runner.errors import StorageTimeoutError, StorageTransientError
 from runner.storage.retry import RetryPolicy, store_deadline
-from runner.storage.s3 import MiB, S3Storage, TransferSettings
+from runner.storage.s3 import S3Storage
+from runner.storage.s3_transfer import MiB, TransferSettings
 from tests.fixtures.ckpt import make_checkpoint
 from tests.fixtures.fake_store import START_MARGIN_S, FakeStore, env_for
 from tests.fixtures.s3 import SeaweedS3

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.formats.seedbin import expected_size, read_header
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.verify import verify_checkpoint
 from runner.storage.file import FileStorage
 from tests.fixtures.metadata_server import FakeCloud
 from tests.fixtures.supervised import Supervised

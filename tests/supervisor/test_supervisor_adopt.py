@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from runner.checkpoint.reader import list_checkpoints, verify_checkpoint
+from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.verify import verify_checkpoint
 from runner.storage.file import FileStorage
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.reader import list_checkpoints
+from runner.checkpoint.listing import list_checkpoints
 from runner.storage.file import FileStorage
 from tests.fixtures.supervised import Supervised
 

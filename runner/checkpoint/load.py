@@ -1,0 +1,70 @@
+"""Load a local checkpoint's train state: verified first (sizes and sha256 of every file
+before anything is deserialised), deserialised with `torch.load(weights_only=True)`, its
+counters checked against the manifest, its schema migrated to v2.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+from runner.checkpoint.counter_check import check_counters, payload_counters
+from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir
+from runner.checkpoint.listing import check_named_step, open_local
+from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_SEED_BIN, FORMAT_TORCH, Manifest
+from runner.checkpoint.payload import STATE_FILE, migrate_payload
+from runner.checkpoint.safe_load import not_loadable, torch_load
+from runner.checkpoint.verify import check_sizes, verify_dir
+from runner.errors import IntegrityError, SchemaError
+
+
+def load_state(
+    step_dir: Path,
+    *,
+    manifest: Manifest | None = None,
+    mmap: bool = False,
+    verified: bool = False,
+) -> dict[str, Any]:
+    """Verify a local checkpoint, then deserialise its train state (schema migrated to v2)
+    and check its counters against the manifest.
+
+    `mmap=True` maps tensors from the file (just read and hashed, so in the page cache)
+    instead of copying them: faster and no second copy in memory, but the checkpoint's disk
+    space stays in use while those tensors live, even after it is pruned.
+    `verified=True`: the caller hashed these files against `manifest` moments ago in this
+    process (resolve_resume does); only sizes and paths are checked again."""
+    step_dir = Path(step_dir)
+    if verified and manifest is not None:
+        check_named_step(
+            manifest, parse_step_dir(step_dir.name), source=str(step_dir / MANIFEST_NAME)
+        )
+        check_sizes(step_dir, manifest)
+    else:
+        manifest = verify_dir(step_dir, manifest=manifest, counters=False)
+    listed = {f.path: (f.size, f.sha256) for f in manifest.files}
+    source = str(step_dir)
+    try:
+        if manifest.format == FORMAT_TORCH:
+            if STATE_FILE not in listed:
+                raise IntegrityError(f"{source}: the manifest does not list {STATE_FILE}")
+            with open_local(step_dir, STATE_FILE) as f:
+                by_fd = f"/proc/self/fd/{f.fileno()}"
+                target = by_fd if mmap and os.path.exists(by_fd) else step_dir / STATE_FILE
+                raw = torch_load(target, source=source, mmap=mmap)
+        elif manifest.format == FORMAT_CHUNKED:
+            from runner.checkpoint.formats.chunked import read_chunked
+
+            raw = read_chunked(step_dir, listed=listed, mmap=mmap)
+        elif manifest.format == FORMAT_SEED_BIN:
+            raise SchemaError(
+                f"{source}: a seed-bin checkpoint holds flat arrays, not a train state; map it "
+                "onto a model with runner.checkpoint.formats.seedbin.seed_to_state"
+            )
+        else:
+            raise SchemaError(f"{source}: unknown checkpoint format {manifest.format!r}")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise not_loadable(exc, source=source) from exc
+    check_counters(manifest, payload_counters(raw, source=source), source=source)
+    return migrate_payload(raw, source=source)

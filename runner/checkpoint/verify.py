@@ -1,0 +1,210 @@
+"""Verify checkpoints: one rule set, two ways to apply it.
+
+Verifying goes through the `Storage` protocol, so it works the same on a run dir, `file://`
+and `s3://`: a local directory is hashed in place on several threads, any other storage is
+streamed. Every command (`verify`, `status`, `ls --verify`, `pull`, `push`, resume) uses it:
+a checkpoint verifies when
+
+1. its manifest is at most MAX_MANIFEST_BYTES (no more is read), parses, and stays within the
+   bounds `Manifest.validate` sets (files, path lengths, plausible step and sizes);
+2. the manifest's step is the step its directory is named after;
+3. every listed file is a canonical relative path, present, a regular file and not a symlink
+   (nor under a symlinked directory inside the checkpoint), of the listed size and sha256;
+4. the counters inside the payload agree with the manifest (runner.checkpoint.counter_check,
+   which says how far a remote payload is read for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.atomicity.files import hash_stream
+from runner.checkpoint.counter_check import check_payload_counters, check_remote_counters
+from runner.checkpoint.layout import MANIFEST_NAME, checkpoint_key, parse_step_dir
+from runner.checkpoint.listing import (
+    check_named_step,
+    list_checkpoints,
+    open_local,
+    read_manifest,
+    read_manifest_dir,
+)
+from runner.checkpoint.manifest import FileEntry, Manifest, check_relative_path
+from runner.errors import IntegrityError, RunnerError, StorageNotFoundError
+from runner.storage.base import Storage
+from runner.storage.file import FileStorage
+
+log = logging.getLogger(__name__)
+
+SkipCallback = Callable[[int, str], None]
+
+
+@dataclass
+class CheckpointStatus:
+    step: int
+    ok: bool
+    error: str | None
+    manifest: Manifest | None
+
+
+def check_remote_sizes(storage: Storage, step: int) -> Manifest:
+    """The cheap check of a stored checkpoint: its manifest (bounded, named step) and every
+    file it lists present at the listed size; IntegrityError otherwise. No byte is hashed."""
+    manifest = read_manifest(storage, step)
+    base = checkpoint_key(step)
+    for entry in manifest.files:
+        where = f"{storage.uri}/{base}/{entry.path}"
+        try:
+            size = storage.head(f"{base}/{entry.path}").size
+        except StorageNotFoundError as exc:
+            raise IntegrityError(f"{where}: listed in the manifest but missing") from exc
+        if size != entry.size:
+            raise IntegrityError(
+                f"{where}: size {size} != {entry.size} in the manifest (truncated or replaced)"
+            )
+    return manifest
+
+
+def verify_checkpoint(storage: Storage, step: int) -> Manifest:
+    """Apply every rule of the module docstring to checkpoint `step` at `storage`.
+
+    A local location (a run dir, `file://`) is checked in place by `verify_dir` (hashed on
+    several threads, symlinks refused); any other storage is streamed."""
+    if isinstance(storage, FileStorage):
+        # FileStorage refuses a symlinked checkpoints/ dir when listing; here the step dir
+        # and everything in it are checked without following any symlink
+        return verify_dir(storage.root / checkpoint_key(step), step=step)
+    manifest = check_remote_sizes(storage, step)
+    base = checkpoint_key(step)
+    for entry in manifest.files:
+        where = f"{storage.uri}/{base}/{entry.path}"
+        try:
+            with storage.open_read(f"{base}/{entry.path}") as stream:
+                _, sha256 = hash_stream(stream)
+        except StorageNotFoundError as exc:
+            raise IntegrityError(f"{where}: listed in the manifest but missing") from exc
+        if sha256 != entry.sha256:
+            raise IntegrityError(f"{where}: sha256 mismatch (the file is corrupt)")
+    check_remote_counters(storage, base, manifest)
+    return manifest
+
+
+def scan(storage: Storage) -> list[CheckpointStatus]:
+    """Verify every checkpoint, newest first; a failure is recorded, not raised."""
+    statuses = []
+    for step in reversed(list_checkpoints(storage)):
+        try:
+            manifest = verify_checkpoint(storage, step)
+        except RunnerError as exc:
+            statuses.append(CheckpointStatus(step=step, ok=False, error=str(exc), manifest=None))
+        else:
+            statuses.append(CheckpointStatus(step=step, ok=True, error=None, manifest=manifest))
+    return statuses
+
+
+def newest_verified(storage: Storage, *, on_skip: SkipCallback | None = None) -> Manifest | None:
+    """The newest checkpoint whose files all verify; each newer one skipped is logged and
+    reported to `on_skip(step, why)`."""
+    for step in reversed(list_checkpoints(storage)):
+        try:
+            return verify_checkpoint(storage, step)
+        except RunnerError as exc:
+            log.warning("skipping checkpoint step %d at %s: %s", step, storage.uri, exc)
+            if on_skip is not None:
+                on_skip(step, str(exc))
+    return None
+
+
+def verify_dir(
+    step_dir: Path,
+    *,
+    manifest: Manifest | None = None,
+    step: int | None = None,
+    counters: bool = True,
+) -> Manifest:
+    """Apply every rule of the module docstring to a local checkpoint directory (sizes first,
+    a cheap check before hashing; the counters last). `step`: the step the caller expects
+    (default: the one in the directory's name). `counters=False` is for `load_state`, which
+    checks the counters of what it deserialised instead of reading them twice."""
+    step_dir = Path(step_dir)
+    if manifest is None:
+        manifest = read_manifest_dir(step_dir)
+    else:
+        check_named_step(
+            manifest, parse_step_dir(step_dir.name), source=str(step_dir / MANIFEST_NAME)
+        )
+    check_named_step(manifest, step, source=str(step_dir / MANIFEST_NAME))
+    checked = check_sizes(step_dir, manifest)
+    # one sha256 cannot be split across cores, but several files (chunks) can be hashed at once
+    workers = max(1, min(len(checked), os.cpu_count() or 1, 8))
+
+    def digest(entry: FileEntry) -> str:
+        with open_local(step_dir, entry.path) as f:
+            size, sha256 = hash_stream(f)
+        if size != entry.size:
+            raise IntegrityError(
+                f"{step_dir / entry.path}: size {size} != {entry.size} in the manifest "
+                "(changed while it was being verified)"
+            )
+        return sha256
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+        digests = pool.map(lambda item: digest(item[1]), checked)
+        for (_, entry), sha256 in zip(checked, digests, strict=True):
+            if sha256 != entry.sha256:
+                raise IntegrityError(
+                    f"{step_dir / entry.path}: sha256 mismatch (the file is corrupt)"
+                )
+    if counters:
+        check_payload_counters(step_dir, manifest)
+    return manifest
+
+
+def check_sizes(step_dir: Path, manifest: Manifest) -> list[tuple[Path, FileEntry]]:
+    """Every listed file present, a regular file inside the directory, neither it nor a
+    directory on its way (the step directory included) a symlink, and of the listed size (no
+    hashing); returns each path with its entry."""
+    step_dir = Path(step_dir)
+    root = step_dir.resolve()
+    _refuse_symlink(step_dir, step_dir)
+    paths = []
+    for entry in manifest.files:
+        rel = check_relative_path(entry.path, source=str(step_dir / MANIFEST_NAME))
+        path = step_dir / rel
+        current = step_dir
+        st: os.stat_result | None = None
+        for part in rel.split("/"):
+            current = current / part
+            try:
+                st = current.lstat()
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise IntegrityError(f"{path}: listed in the manifest but missing") from exc
+            if stat.S_ISLNK(st.st_mode):
+                _refuse_symlink(current, root)
+        assert st is not None
+        if not stat.S_ISREG(st.st_mode):
+            raise IntegrityError(f"{path}: not a regular file; refusing to read it")
+        if st.st_size != entry.size:
+            raise IntegrityError(
+                f"{path}: size {st.st_size} != {entry.size} in the manifest (truncated or replaced)"
+            )
+        paths.append((path, entry))
+    return paths
+
+
+def _refuse_symlink(path: Path, root: Path) -> None:
+    """IntegrityError when `path` is a symlink (checkpoint writers never create one), saying
+    whether it even resolves outside the checkpoint directory `root`."""
+    if not path.is_symlink():
+        return
+    where = (
+        "resolves outside the checkpoint directory"
+        if not path.resolve().is_relative_to(root.resolve())
+        else "points inside the checkpoint directory"
+    )
+    raise IntegrityError(f"{path}: is a symlink ({where}); refusing to follow it")
