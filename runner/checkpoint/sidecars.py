@@ -11,6 +11,10 @@ a step wins. Marker lines have no "step": readers that only want losses skip suc
 
 `samples.json` and `state.json` belong to one policy era: `pivot` archives them with a
 timestamp and resets them (removes them), and never touches the loss history.
+
+Long (about 360 lines): `LossLog` is the one writer of loss.jsonl (appends, resume markers,
+write failures held and retried) and its reader, follower and the pivot of the sidecars share
+its line format.
 """
 
 from __future__ import annotations

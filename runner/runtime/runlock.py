@@ -26,6 +26,9 @@ Scope: processes on one host, and hosts sharing a filesystem whose locks work ac
 (NFSv4 with lock support). Some FUSE / object-store mounts accept flock without locking
 anything; two run dirs on two nodes are not protected at all (the mirror's create-only
 manifest is the cross-node guard). See docs/preemption.md, 'One writer per run dir'.
+
+Long (about 310 lines): the flock, the holder record written into the locked file and the
+message that names a holder are one protocol on one file.
 """
 
 from __future__ import annotations

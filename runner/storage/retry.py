@@ -82,7 +82,9 @@ class RetryPolicy:
         sleep: Callable[[float], None] = time.sleep,
     ) -> T:
         """Run func, retrying StorageTransientError; anything else propagates at once. When
-        the budget or deadline leaves no room for another try, StorageTimeoutError says so."""
+        the budget or deadline leaves no room for another try, StorageTimeoutError says so.
+        Long: one retry loop, with each give-up message (tries spent, time spent) where it is
+        decided."""
         started = clock()
         attempt = 0
         while True:

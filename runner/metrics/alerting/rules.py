@@ -88,7 +88,8 @@ class AlertRule:
 
 
 def alert_rules(t: Thresholds) -> list[AlertRule]:
-    """The four alerts of DESIGN.md with the given thresholds."""
+    """The four alerts of DESIGN.md with the given thresholds. Long: one table of rules, read top to
+    bottom."""
     d = {
         "stale_after": format_duration(t.stale_after),
         "mirror_lag": format_duration(t.mirror_lag),
