@@ -1,0 +1,36 @@
+"""What the supervisor needs from the mirror and the metrics registry, as protocols: the
+supervisor runs with either, both or neither."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from runner.checkpoint.writer import CommittedCheckpoint
+from runner.runtime.lifecycle import ResumeSource
+
+
+class MirrorHook(ResumeSource, Protocol):
+    """What the supervisor needs from the mirror (runner.mirror.Mirror fits): resume
+    resolution over it (runner.runtime.lifecycle), uploads."""
+
+    def submit(self, ckpt: CommittedCheckpoint) -> None: ...
+
+    def upload_now(self, ckpt: CommittedCheckpoint, *, deadline: float | None = None) -> bool: ...
+
+    def wait_idle(self, timeout: float | None = None) -> bool: ...
+
+
+class MetricsHook(Protocol):
+    """What the supervisor reports (runner.metrics.registry.RunnerMetrics fits)."""
+
+    def checkpoint_saved(self, *, step: int, duration_s: float, size_bytes: int) -> None: ...
+
+    def checkpoint_failed(self, stage: str) -> None: ...
+
+    def preemption_notice(self, source: str) -> None: ...
+
+    def resumed(self, *, steps_lost: int = 0) -> None: ...
+
+    def train_step(self, step: int) -> None: ...
+
+    def checkpoint_found(self, *, location: str, step: int, created_at: float) -> None: ...
