@@ -9,7 +9,7 @@ import time
 from runner.checkpoint.listing import local_step_dir, read_manifest_dir
 from runner.checkpoint.manifest import created_at_unix
 from runner.config import RunConfig
-from runner.demo.components import build_demo
+from runner.demo.components import DemoComponents, build_demo
 from runner.demo.display import ProgressDisplay
 from runner.errors import RunnerError
 from runner.preemption.signals import install_signal_handlers
@@ -50,20 +50,7 @@ def run_demo(
         with TrainSession(
             config, state=components, stop=stop, refusals_reported=supervised, rank=rank
         ) as session:
-            if session.resumed_from is not None:
-                display.checkpoint(
-                    session.resumed_from, age_seconds=_checkpoint_age(session, session.resumed_from)
-                )
-            shown = session.last_checkpoint
-            while not session.should_stop:
-                loss = components.train_step()
-                session.step_done()
-                if session.last_checkpoint is not shown:  # a new commit, not every step
-                    shown = session.last_checkpoint
-                    if shown is not None:
-                        display.checkpoint(shown.step)
-                display.update(step=session.step, loss=loss)
-            code = session.finish()
+            code = _train(session, components, display)
         display.close()
         print(
             f"step {components.counters.step}/{total} fingerprint {components.fingerprint()}",
@@ -73,6 +60,24 @@ def run_demo(
     finally:
         stop.close()
         restore_signals()
+
+
+def _train(session: TrainSession, components: DemoComponents, display: ProgressDisplay) -> int:
+    """The demo's loop under `session`, shown on `display`; returns the exit code."""
+    if session.resumed_from is not None:
+        display.checkpoint(
+            session.resumed_from, age_seconds=_checkpoint_age(session, session.resumed_from)
+        )
+    shown = session.last_checkpoint
+    while not session.should_stop:
+        loss = components.train_step()
+        session.step_done()
+        if session.last_checkpoint is not shown:  # a new commit, not every step
+            shown = session.last_checkpoint
+            if shown is not None:
+                display.checkpoint(shown.step)
+        display.update(step=session.step, loss=loss)
+    return session.finish()
 
 
 def _checkpoint_age(session: TrainSession, step: int) -> float:

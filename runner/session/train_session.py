@@ -11,6 +11,10 @@
 Signal handlers are not installed here: the entry point installs them and hands over the
 StopController. All work (saving, uploading) happens inside `step_done` and `finish`, at step
 boundaries of the caller's loop.
+
+The module is over 300 lines because the class is the whole in-process API, read in one
+place; its parts live beside it: saving in session/checkpointer.py, the resolver and mirror
+wiring of a resume in session/resume.py, what the end says in session/reporting.py.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
-from runner.checkpoint.manifest import Manifest, created_at_unix
+from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
@@ -35,13 +39,21 @@ from runner.errors import (
 )
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.policy import SavePolicy
-from runner.preemption.startup import StartupInterrupted, run_interruptible
+from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
-from runner.runtime.lifecycle import ResumePoint, end_run, find_resume, report_resume
+from runner.runtime.lifecycle import ResumePoint, end_run, report_resume
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
 from runner.session.checkpointer import Checkpointer, Snapshot, TrainState
+from runner.session.reporting import (
+    durable_where,
+    report_not_mirrored,
+    report_startup_given_up,
+    report_stop,
+    write_error,
+)
+from runner.session.resume import keep_mirrored, read_newest
 from runner.state.train_state import Counters
 
 if TYPE_CHECKING:
@@ -79,14 +91,7 @@ class TrainSession:
         self.state = state
         self.stop = stop or StopController()
         self._owned = contextlib.ExitStack()
-        # One writer per run dir (runner/runtime/runlock.py), taken before the services start and
-        # before anything is written there: a second process on it exits 2 naming this one.
-        # Released in close(), last; by the kernel if the process dies.
-        self.run_lock = self._owned.enter_context(
-            runlock.acquire(Path(config.run_dir), command="TrainSession")
-        )
-        if services is None:
-            services = self._owned.enter_context(run_services(config, self.stop, rank=rank))
+        services = self._lock_and_serve(services)
         self.metrics: RunnerMetrics | None = services.metrics
         self.mirror: Mirror | None = services.mirror
         self.run_dir = Path(config.run_dir)
@@ -120,6 +125,19 @@ class TrainSession:
         self.startup_given_up = False
         # steps committed or resumed from by this process: retention need not re-hash them
         self._known_good: set[int] = set()
+
+    def _lock_and_serve(self, services: Services | None) -> Services:
+        # One writer per run dir (runner/runtime/runlock.py), taken before the services start and
+        # before anything is written there: a second process on it exits 2 naming this one.
+        # Released in close(), last; by the kernel if the process dies.
+        self.run_lock = self._owned.enter_context(
+            runlock.acquire(Path(self.config.run_dir), command="TrainSession")
+        )
+        if services is None:
+            services = self._owned.enter_context(
+                run_services(self.config, self.stop, rank=self.rank)
+            )
+        return services
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -186,8 +204,18 @@ class TrainSession:
             )
             self.policy = self._policy(start_step=0)
             return None
+        counters = self._resume_from(point)
+        if self.mirror is not None:
+            try:
+                keep_mirrored(point, mirror=self.mirror, stop=self.stop, metrics=self.metrics)
+            except StartupInterrupted as exc:
+                self._give_up_startup(exc)
+        return counters.step
+
+    def _resume_from(self, point: ResumePoint[dict[str, Any]]) -> Counters:
+        """Load what the resolver's worker read into the live objects, on this thread
+        (Checkpointer.read only read it); the run continues as the checkpoint's run."""
         try:
-            # into the live objects on this thread: the worker only read it (Checkpointer.read)
             counters = self.checkpointer.load_into(self.state, lambda _template: point.loaded)
         except RunnerError:
             if self.metrics is not None:
@@ -213,59 +241,22 @@ class TrainSession:
             counters=counters,
             logger=log,
         )
-        if self.mirror is not None:
-            try:
-                held = run_interruptible(
-                    lambda: self._mirror_holds(point.step),
-                    stop=self.stop,
-                    what="checking the mirror's copy",
-                )
-            except StartupInterrupted as exc:
-                self._give_up_startup(exc)
-                return counters.step
-            if held:
-                if self.metrics is not None:
-                    created = created_at_unix(point.manifest.created_at) or time.time()
-                    self.metrics.checkpoint_found(
-                        location="remote", step=point.step, created_at=created
-                    )
-            else:
-                # e.g. the previous attempt finished but could not upload: the local copy is
-                # the newest anywhere, so it goes up now rather than never
-                log.info("checkpoint step %d is not in the mirror yet: uploading it", point.step)
-                self.mirror.submit(point.checkpoint)
-        return counters.step
+        return counters
 
     def _give_up_startup(self, exc: StartupInterrupted) -> None:
         self.startup_given_up = True
-        where = (
-            f"checkpoint step {self.resumed_from} stands in {self.ckpt_dir}"
-            if self.resumed_from is not None
-            else f"checkpoints in {self.ckpt_dir} (if any) are as they were"
-        )
-        log.warning("%s; nothing trained, %s", exc, where)
+        report_startup_given_up(exc, resumed_from=self.resumed_from, ckpt_dir=self.ckpt_dir)
 
     def _load_newest(self) -> ResumePoint[dict[str, Any]] | None:
-        """The newest checkpoint that verifies and loads, from the run dir or the mirror, by
-        the one resolver (runner.runtime.lifecycle.find_resume: resume or refuse, given up on
-        by a stop); None when there is none anywhere.
-
-        Each file is hashed once, by the resolver while choosing among local and remote
-        checkpoints (a download as it arrives); `Checkpointer.read` then re-checks paths and
-        sizes and deserialises, in the resolver's worker: it touches no live object."""
-        return find_resume(
+        return read_newest(
             self.run_dir,
             stop=self.stop,
-            load=self.checkpointer.read,
+            checkpointer=self.checkpointer,
             mirror=self.mirror,
             metrics=self.metrics,
             fresh_start=self.config.fresh_start,
-            refusal_log_level=logging.DEBUG if self._refusals_reported else logging.WARNING,
+            refusals_reported=self._refusals_reported,
         )
-
-    def _mirror_holds(self, step: int) -> bool:
-        assert self.mirror is not None
-        return self.mirror.holds(step)
 
     def _policy(self, *, start_step: int) -> SavePolicy:
         # The seconds cadence is decided on the primary: wall clocks differ between ranks, and
@@ -315,17 +306,13 @@ class TrainSession:
             # checkpointer); the sync saver has committed when result() returns
             return self.checkpointer.save(self.state, reason=reason).result()
         except OSError as exc:
-            from runner.checkpoint.oserror_advice import oserror_advice
-
             if self._save_committed:  # failed after the commit: not a failed save
                 raise
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("save")
             previous = self.last_checkpoint.step if self.last_checkpoint else self.resumed_from
-            kept = f"step {previous} is intact" if previous is not None else "none existed yet"
-            raise CheckpointWriteError(
-                f"checkpoint at step {counters.step} could not be written to {self.ckpt_dir}: "
-                f"{exc.strerror or exc}; the previous checkpoint: {kept}. {oserror_advice(exc)}"
+            raise write_error(
+                exc, step=counters.step, ckpt_dir=self.ckpt_dir, previous=previous
             ) from exc
         except RunnerError:
             if self.metrics is not None and not self._save_committed:
@@ -390,18 +377,8 @@ class TrainSession:
         preemption notice) with the final checkpoint committed.
         """
         stopped = self.stop.stop_requested and not self.target_reached
-        reason = "stop" if stopped else "final"
         started = time.monotonic()
-        ckpt = self.last_checkpoint
-        if ckpt is None or ckpt.step != self.step:
-            if self.startup_given_up:
-                ckpt = None  # whatever the loop did after start-up was given up is not saved
-            elif self.step == 0 and self.resumed_from is None:
-                ckpt = None  # nothing trained, nothing to save
-            elif self.resumed_from == self.step and self.last_checkpoint is None:
-                ckpt = None  # stopped right after resuming: the checkpoint we resumed from stands
-            else:
-                ckpt = self.save(reason=reason)
+        ckpt = self._save_final(reason="stop" if stopped else "final")
         self.final_save_seconds = time.monotonic() - started
         if ckpt is None:
             ckpt = self.resumed_checkpoint  # nothing new: the one resumed from must be mirrored
@@ -415,49 +392,35 @@ class TrainSession:
         self.final_upload_landed = ending.landed
         elapsed = time.monotonic() - started
         if stopped:
-            self._report_stop(elapsed, ckpt)
+            where = durable_where(
+                startup_given_up=self.startup_given_up,
+                mirror=self.mirror is not None,
+                landed=self.final_upload_landed,
+            )
+            report_stop(
+                ckpt,
+                reason=self.stop.reason,
+                step=self.step,
+                elapsed=elapsed,
+                grace_seconds=self.config.grace_seconds,
+                where=where,
+            )
         self.exit_code = ending.exit_code
         if self.exit_code == EXIT_FAILURE and ckpt is not None:
             assert self.mirror is not None  # the final upload failed: there is a mirror
-            log.error(
-                "the run finished at step %d but its final checkpoint is NOT in %s (%s); the "
-                "local copy in %s is complete: `runner push %s %s` once the store is "
-                "reachable. Exiting 1 so that a scheduler retries",
-                ckpt.step,
-                self.mirror.storage.uri,
-                self.mirror.last_error or "upload failed",
-                ckpt.path,
-                self.run_dir,
-                self.mirror.storage.uri,
-            )
+            report_not_mirrored(ckpt, mirror=self.mirror, run_dir=self.run_dir)
         return self.exit_code
 
-    def _report_stop(self, elapsed: float, ckpt: CommittedCheckpoint | None) -> None:
-        budget = self.config.grace_seconds
-        if ckpt is None:
-            # 75 all the same: nothing was trained, so nothing was lost (docs/preemption.md)
-            log.warning(
-                "stopped by %s at step %d before anything was trained: no checkpoint to "
-                "write, nothing lost",
-                self.stop.reason,
-                self.step,
-            )
-            return
-        where = "local"
+    def _save_final(self, *, reason: str) -> CommittedCheckpoint | None:
+        """The checkpoint of the current step, saved now unless it is committed already;
+        None when there is nothing to save."""
+        ckpt = self.last_checkpoint
+        if ckpt is not None and ckpt.step == self.step:
+            return ckpt
         if self.startup_given_up:
-            where = "local (mirror not contacted: start-up was given up on)"
-        elif self.mirror is not None:
-            where = (
-                "local + mirror"
-                if self.final_upload_landed
-                else "local only (mirror upload did NOT land)"
-            )
-        log.warning(
-            "stopped by %s at step %d: final checkpoint durable in %s after %.2fs "
-            "of the %.0fs grace period",
-            self.stop.reason,
-            self.step,
-            where,
-            elapsed,
-            budget,
-        )
+            return None  # whatever the loop did after start-up was given up is not saved
+        if self.step == 0 and self.resumed_from is None:
+            return None  # nothing trained, nothing to save
+        if self.resumed_from == self.step and self.last_checkpoint is None:
+            return None  # stopped right after resuming: the checkpoint we resumed from stands
+        return self.save(reason=reason)

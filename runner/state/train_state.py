@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from runner.errors import ConfigError, IntegrityError, SchemaError
+from runner.errors import ConfigError, IntegrityError
 from runner.state import rng
 from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint as fingerprint_of
 from runner.state.fingerprint import fingerprint_payload
 from runner.state.sampler import ResumableSampler
+from runner.state.validate import TRAIN_STATE_SCHEMA, check_restorable
 from runner.state.worldsize import (
     move_scheduler_to_step,
     position_from_samples_seen,
@@ -41,9 +42,6 @@ from runner.state.worldsize import (
 )
 
 log = logging.getLogger(__name__)
-
-TRAIN_STATE_SCHEMA = "2"
-_REQUIRED = ("model", "param_names", "optimizer", "counters")
 
 
 @dataclass(kw_only=True)
@@ -169,24 +167,35 @@ def restore_train_state(
     ConfigError when the state belongs to another model or data order. ``restore_rng=False``
     exists for the resume audit (`runner drill`), which measures what skipping it costs.
     """
-    # Everything that can be checked without touching the live objects is checked first, so a
-    # refused state leaves the model, optimizer and generators as they were.
-    _check_layout(state)
-    _check_param_names(state["param_names"], model)
-    saved_counters = Counters.from_dict(state["counters"])
-    if restore_rng and "rng" not in state:
-        raise IntegrityError(
-            "train state has no RNG section; it cannot be resumed bit-exactly "
-            "(written by a tool that does not save RNG state?)"
-        )
+    saved_counters = check_restorable(
+        state, model=model, sampler=sampler, world_size=world_size, restore_rng=restore_rng
+    )
     if sampler is not None:
-        if sampler.world_size != world_size:
-            raise ConfigError(
-                f"sampler is sharded for world_size={sampler.world_size} but the resume is for "
-                f"world_size={world_size}; build both from the same world size"
-            )
         # First among the loads: it refuses a state of another data order (ConfigError).
         _restore_sampler(state.get("sampler") or {}, sampler, saved_counters)
+    _load_modules(state, model=model, optimizer=optimizer, scheduler=scheduler)
+    if restore_rng:
+        restore_rng_state(state)
+
+    counters, change = rescale_counters(saved_counters, new_world_size=world_size)
+    if change is not None and scheduler is not None:
+        move_scheduler_to_step(scheduler, step=counters.step)
+    if sampler is not None:
+        counters = dataclasses.replace(
+            counters, epoch=sampler.epoch, batch_in_epoch=sampler.batch_in_epoch
+        )
+    return counters
+
+
+def _load_modules(
+    state: dict[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> None:
+    """The model's, optimizer's and scheduler's state dicts into them (ConfigError when one
+    does not fit)."""
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as exc:
@@ -201,17 +210,6 @@ def restore_train_state(
         ) from exc
     if scheduler is not None and state.get("scheduler"):
         scheduler.load_state_dict(state["scheduler"])
-    if restore_rng:
-        restore_rng_state(state)
-
-    counters, change = rescale_counters(saved_counters, new_world_size=world_size)
-    if change is not None and scheduler is not None:
-        move_scheduler_to_step(scheduler, step=counters.step)
-    if sampler is not None:
-        counters = dataclasses.replace(
-            counters, epoch=sampler.epoch, batch_in_epoch=sampler.batch_in_epoch
-        )
-    return counters
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -243,36 +241,6 @@ def _restore_sampler(saved: dict[str, Any], sampler: ResumableSampler, counters:
             epoch,
             offset,
             counters.samples_seen,
-        )
-
-
-def _check_layout(state: Any) -> None:
-    if not isinstance(state, dict):
-        raise IntegrityError(f"train state must be a dict, got {type(state).__name__}")
-    schema = state.get("schema")
-    if schema != TRAIN_STATE_SCHEMA:
-        raise SchemaError(
-            f"train state schema {schema!r} is not {TRAIN_STATE_SCHEMA!r}; "
-            "migrate the checkpoint or use the runner version that wrote it"
-        )
-    missing = [key for key in _REQUIRED if key not in state]
-    if missing:
-        raise IntegrityError(f"train state lacks {missing}; the checkpoint is incomplete")
-
-
-def _check_param_names(saved: Any, model: torch.nn.Module) -> None:
-    if not saved:
-        # Migrated from schema 1, which did not record names: the model's own order is
-        # assumed (as schema 1 did), and load_state_dict(strict=True) still checks every key.
-        return
-    current = [name for name, _ in model.named_parameters()]
-    if list(saved) != current:
-        only_saved = sorted(set(saved) - set(current))[:5]
-        only_here = sorted(set(current) - set(saved))[:5]
-        raise ConfigError(
-            "checkpoint was written for another model or parameter order "
-            f"(only in checkpoint: {only_saved}, only in this model: {only_here}, "
-            f"{len(saved)} vs {len(current)} parameters); resume with the same model code"
         )
 
 

@@ -1,0 +1,96 @@
+"""What the session says at its end: how a stop ended, a finish whose final checkpoint did
+not reach the mirror, a start-up a stop gave up on, a save that could not be written."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runner.checkpoint.writer import CommittedCheckpoint
+from runner.errors import CheckpointWriteError
+from runner.preemption.startup import StartupInterrupted
+
+if TYPE_CHECKING:
+    from runner.mirror import Mirror
+
+# the session's lines keep one logger name (tests/e2e/test_readme_example.py pins it)
+log = logging.getLogger("runner.session.train_session")
+
+
+def report_stop(
+    ckpt: CommittedCheckpoint | None,
+    *,
+    reason: str | None,
+    step: int,
+    elapsed: float,
+    grace_seconds: float,
+    where: str,
+) -> None:
+    """The stop's last line: where its final checkpoint is durable (`where`), or that there
+    was nothing to save."""
+    if ckpt is None:
+        # 75 all the same: nothing was trained, so nothing was lost (docs/preemption.md)
+        log.warning(
+            "stopped by %s at step %d before anything was trained: no checkpoint to "
+            "write, nothing lost",
+            reason,
+            step,
+        )
+        return
+    log.warning(
+        "stopped by %s at step %d: final checkpoint durable in %s after %.2fs "
+        "of the %.0fs grace period",
+        reason,
+        step,
+        where,
+        elapsed,
+        grace_seconds,
+    )
+
+
+def durable_where(*, startup_given_up: bool, mirror: bool, landed: bool | None) -> str:
+    """Where a stop's final checkpoint is: local, and the mirror when its upload landed."""
+    if startup_given_up:
+        return "local (mirror not contacted: start-up was given up on)"
+    if not mirror:
+        return "local"
+    return "local + mirror" if landed else "local only (mirror upload did NOT land)"
+
+
+def report_not_mirrored(ckpt: CommittedCheckpoint, *, mirror: Mirror, run_dir: Path) -> None:
+    log.error(
+        "the run finished at step %d but its final checkpoint is NOT in %s (%s); the "
+        "local copy in %s is complete: `runner push %s %s` once the store is "
+        "reachable. Exiting 1 so that a scheduler retries",
+        ckpt.step,
+        mirror.storage.uri,
+        mirror.last_error or "upload failed",
+        ckpt.path,
+        run_dir,
+        mirror.storage.uri,
+    )
+
+
+def report_startup_given_up(
+    exc: StartupInterrupted, *, resumed_from: int | None, ckpt_dir: Path
+) -> None:
+    where = (
+        f"checkpoint step {resumed_from} stands in {ckpt_dir}"
+        if resumed_from is not None
+        else f"checkpoints in {ckpt_dir} (if any) are as they were"
+    )
+    log.warning("%s; nothing trained, %s", exc, where)
+
+
+def write_error(
+    exc: OSError, *, step: int, ckpt_dir: Path, previous: int | None
+) -> CheckpointWriteError:
+    """The error of a save that failed before its commit, with advice for its OSError."""
+    from runner.checkpoint.oserror_advice import oserror_advice
+
+    kept = f"step {previous} is intact" if previous is not None else "none existed yet"
+    return CheckpointWriteError(
+        f"checkpoint at step {step} could not be written to {ckpt_dir}: "
+        f"{exc.strerror or exc}; the previous checkpoint: {kept}. {oserror_advice(exc)}"
+    )
