@@ -39,13 +39,9 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
     """Replace every corrupt checkpoint at LOCATION with a verifying copy from --from, or set
     it aside (kept, no longer counted) when no good copy is given. Exit 0 when every corrupt
     step was restored, 3 when some could only be set aside."""
-    from runner.checkpoint.aside import CORRUPT, decommit_remote, set_aside_local
-    from runner.checkpoint.layout import checkpoint_key
     from runner.checkpoint.listing import list_checkpoints
     from runner.checkpoint.verify import verify_checkpoint
-    from runner.mirror import upload_checkpoint
     from runner.storage import is_run_dir_path, open_existing
-    from runner.storage.file import FileStorage
 
     target = open_existing(location)
     origin = open_existing(source) if source is not None else None
@@ -68,21 +64,7 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
                 problem = str(exc)
             else:
                 continue
-            local = target.root if isinstance(target, FileStorage) else None
-            # straight into a run dir (the download sets the corrupt copy aside once the good
-            # one has arrived whole and verified); via a temp dir for an upload
-            good = _good_copy(origin, step, local or Path(tmp))
-            if good is not None and local is not None:
-                status = "restored"
-            elif good is not None:
-                upload_checkpoint(target, good, writer_id="runner-repair", verify_existing=True)
-                status = "restored"
-            elif isinstance(target, FileStorage):
-                set_aside_local(target.root, target.root / checkpoint_key(step), reason=CORRUPT)
-                status = "set aside"
-            else:
-                decommit_remote(target, step, reason=CORRUPT)
-                status = "set aside"
+            status = _repair_step(target, origin, step, tmp=Path(tmp))
             if status != "restored":
                 unrestored.append(step)
             report.append({"step": step, "status": status, "error": problem})
@@ -104,6 +86,30 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
             f"aside (kept under aside/, no longer resumed from); {hint}. The next save of "
             "those steps can now land"
         )
+
+
+def _repair_step(target: Storage, origin: Storage | None, step: int, *, tmp: Path) -> str:
+    """Put a verifying copy of the corrupt `step` from `origin` in its place ("restored"),
+    or set the corrupt one aside ("set aside")."""
+    from runner.checkpoint.aside import CORRUPT, decommit_remote, set_aside_local
+    from runner.checkpoint.layout import checkpoint_key
+    from runner.mirror import upload_checkpoint
+    from runner.storage.file import FileStorage
+
+    local = target.root if isinstance(target, FileStorage) else None
+    # straight into a run dir (the download sets the corrupt copy aside once the good
+    # one has arrived whole and verified); via a temp dir for an upload
+    good = _good_copy(origin, step, local or tmp)
+    if good is not None and local is not None:
+        return "restored"
+    if good is not None:
+        upload_checkpoint(target, good, writer_id="runner-repair", verify_existing=True)
+        return "restored"
+    if isinstance(target, FileStorage):
+        set_aside_local(target.root, target.root / checkpoint_key(step), reason=CORRUPT)
+    else:
+        decommit_remote(target, step, reason=CORRUPT)
+    return "set aside"
 
 
 def _good_copy(origin: Storage | None, step: int, run_dir: Path) -> Path | None:

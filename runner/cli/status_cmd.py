@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import click
 
@@ -18,6 +19,9 @@ from runner.checkpoint.manifest import created_at_unix
 from runner.cli.formatting import human_duration, human_size
 from runner.cli.options import json_output, store_timeout
 from runner.errors import NoVerifiedCheckpointError, RunnerError
+
+if TYPE_CHECKING:
+    from runner.storage.base import Storage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,8 +54,7 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
     """Read (and with `verify`, hash) the checkpoints at `location`, newest first, until one
     verifies."""
     from runner.checkpoint.hints import misplaced_hint
-    from runner.checkpoint.listing import list_checkpoints, read_manifest
-    from runner.checkpoint.verify import verify_checkpoint
+    from runner.checkpoint.listing import list_checkpoints
     from runner.storage import open_existing
 
     # a missing local directory is a mistyped path (exit 2, as in ls/verify), while an
@@ -61,30 +64,7 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
     newest: CheckpointSummary | None = None
     newest_verified: CheckpointSummary | None = None
     for step in reversed(steps):
-        try:
-            manifest = verify_checkpoint(storage, step) if verify else read_manifest(storage, step)
-        except RunnerError as exc:
-            summary = CheckpointSummary(
-                step=step,
-                created_at=None,
-                age_seconds=None,
-                size_bytes=None,
-                writer=None,
-                fingerprint=None,
-                verified=False,
-                error=str(exc),
-            )
-        else:
-            summary = CheckpointSummary(
-                step=step,
-                created_at=manifest.created_at,
-                age_seconds=_age_seconds(manifest.created_at, now=now),
-                size_bytes=manifest.total_bytes,
-                writer=manifest.writer,
-                fingerprint=manifest.fingerprint,
-                verified=True if verify else None,
-                error=None,
-            )
+        summary = _summary(storage, step, verify=verify, now=now)
         newest = newest or summary
         if summary.verified:
             newest_verified = summary
@@ -97,6 +77,36 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
         newest=newest,
         newest_verified=newest_verified,
         hint=None if steps else misplaced_hint(storage, location),
+    )
+
+
+def _summary(storage: Storage, step: int, *, verify: bool, now: float) -> CheckpointSummary:
+    """What one checkpoint's manifest says, and with `verify` whether its files match."""
+    from runner.checkpoint.listing import read_manifest
+    from runner.checkpoint.verify import verify_checkpoint
+
+    try:
+        manifest = verify_checkpoint(storage, step) if verify else read_manifest(storage, step)
+    except RunnerError as exc:
+        return CheckpointSummary(
+            step=step,
+            created_at=None,
+            age_seconds=None,
+            size_bytes=None,
+            writer=None,
+            fingerprint=None,
+            verified=False,
+            error=str(exc),
+        )
+    return CheckpointSummary(
+        step=step,
+        created_at=manifest.created_at,
+        age_seconds=_age_seconds(manifest.created_at, now=now),
+        size_bytes=manifest.total_bytes,
+        writer=manifest.writer,
+        fingerprint=manifest.fingerprint,
+        verified=True if verify else None,
+        error=None,
     )
 
 

@@ -20,6 +20,7 @@ from runner.runtime import runlock
 
 if TYPE_CHECKING:
     from runner.checkpoint.manifest import Manifest
+    from runner.storage.base import Storage
 
 
 @click.command()
@@ -36,9 +37,7 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
     from runner.checkpoint.layout import checkpoint_key
     from runner.checkpoint.listing import list_checkpoints
     from runner.checkpoint.verify import verify_dir
-    from runner.console.progress import transfer_progress
     from runner.errors import RunnerError
-    from runner.mirror import remote_manifest, upload_checkpoint
     from runner.storage import open_storage
     from runner.storage.file import FileStorage
 
@@ -62,16 +61,7 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
             if not as_json:
                 click.echo(f"step {s}: not pushed, corrupt locally: {exc}", err=True)
             continue
-        status = "present" if remote_manifest(storage, s) is not None else "pushed"
-        with transfer_progress(manifest.total_bytes, desc=f"push step {s}") as progress:
-            # the copy already there is verified too: a corrupt one is replaced (a heal)
-            upload_checkpoint(
-                storage,
-                step_dir,
-                writer_id="runner-push",
-                progress=progress,
-                verify_existing=True,
-            )
+        status = _push_step(storage, s, step_dir=step_dir, size=manifest.total_bytes)
         report.append({"step": s, "status": status, "bytes": manifest.total_bytes})
         if not as_json:
             verb = "already in" if status == "present" else "pushed to"
@@ -83,6 +73,25 @@ def push(run_dir: Path, location: str, step: int | None, as_json: bool) -> None:
             f"{len(corrupt)} corrupt local checkpoint(s) not pushed: steps "
             f"{', '.join(map(str, corrupt))}"
         )
+
+
+def _push_step(storage: Storage, step: int, *, step_dir: Path, size: int) -> str:
+    """Upload one verified local checkpoint: "pushed", or "present" when the location
+    already had it."""
+    from runner.console.progress import transfer_progress
+    from runner.mirror import remote_manifest, upload_checkpoint
+
+    status = "present" if remote_manifest(storage, step) is not None else "pushed"
+    with transfer_progress(size, desc=f"push step {step}") as progress:
+        # the copy already there is verified too: a corrupt one is replaced (a heal)
+        upload_checkpoint(
+            storage,
+            step_dir,
+            writer_id="runner-push",
+            progress=progress,
+            verify_existing=True,
+        )
+    return status
 
 
 @click.command()
