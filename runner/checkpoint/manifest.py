@@ -3,7 +3,7 @@
 The manifest is written last; a checkpoint without a valid manifest does not exist. Paths in
 `files` are relative to the checkpoint directory and may never escape it.
 
-Long (about 300 lines): the fields, their bounds (`validate`) and the schema migrations are one
+Long (about 350 lines): the fields, their bounds (`validate`) and the schema migrations are one
 format and change together.
 """
 
@@ -19,16 +19,28 @@ from typing import Any
 from runner.errors import IntegrityError, SchemaError
 
 # "3": the size-chunked layout of one process's state is named `torch-chunked` (schema 2 called
-# it `torch-sharded`, a name kept free for per-rank shards). A runner that reads only 1 and 2
-# refuses a schema-3 checkpoint as a newer runner's instead of misreading its format.
-SCHEMA_VERSION = "3"
+# it `torch-sharded`, a name kept free for per-rank shards). A manifest is written with the
+# lowest schema that expresses it (`schema_for`), so a runner that reads only 1 and 2 still
+# reads every torch-state and seed-bin checkpoint, and refuses a torch-chunked one as a newer
+# runner's instead of misreading its format.
+SCHEMA_VERSION = "3"  # the newest this runner reads and writes
 SUPPORTED_SCHEMAS = ("1", "2", "3")
 
 FORMAT_TORCH = "torch-state"  # one state.pt loadable with torch.load(weights_only=True)
 FORMAT_CHUNKED = "torch-chunked"  # index.json + skeleton.pt + N size-chunk files
 FORMAT_SEED_BIN = "seed-bin"  # step_NNNNNN.bin from the seed format
-# What schemas 1 and 2 called FORMAT_CHUNKED; read only by the migration to schema 3.
+# What schemas 1 and 2 called FORMAT_CHUNKED (their layout: index schema "1", shard_NNNNN.pt).
+# In memory such a checkpoint is FORMAT_CHUNKED with schema "2", written back under this name.
 LEGACY_FORMAT_SHARDED = "torch-sharded"
+# The formats schema 2 names with the meaning schema 3 gives them: stated as "2" whatever
+# schema a manifest of theirs claims.
+_SCHEMA_2_FORMATS = (FORMAT_TORCH, FORMAT_SEED_BIN)
+
+
+def schema_for(format: str) -> str:
+    """The schema a new checkpoint of `format` is written with: the lowest that names it."""
+    return "2" if format in _SCHEMA_2_FORMATS else SCHEMA_VERSION
+
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -54,7 +66,11 @@ class FileEntry:
 
 @dataclass(kw_only=True, slots=True)
 class Manifest:
-    schema: str = SCHEMA_VERSION
+    """One checkpoint's manifest. `schema` is the lowest schema that expresses it, what it is
+    written back with: "2" for torch-state and seed-bin and for a torch-chunked one read from
+    schema 2 (the torch-sharded layout), "3" for other torch-chunked ones."""
+
+    schema: str
     step: int
     samples_seen: int
     world_size: int = 1
@@ -70,6 +86,8 @@ class Manifest:
 
     def to_json(self) -> bytes:
         data = asdict(self)
+        if self.schema == "2" and self.format == FORMAT_CHUNKED:
+            data["format"] = LEGACY_FORMAT_SHARDED  # as schema 2 names it: the bytes it had
         return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
 
     @property
@@ -78,7 +96,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes, *, source: str = "manifest.json") -> Manifest:
-        """Parse, migrate to the current schema and validate. Raises IntegrityError/SchemaError.
+        """Parse, migrate to the lowest schema that expresses it (`migrate`) and validate.
+        Raises IntegrityError/SchemaError.
 
         `raw` longer than MAX_MANIFEST_BYTES is refused before parsing; readers should not
         read more than that in the first place (see `runner.checkpoint.listing`)."""
@@ -120,8 +139,14 @@ class Manifest:
     def validate(self, *, source: str = "manifest.json") -> None:
         """The bounds of verification rule 1 (runner.checkpoint.verify): the schema, then the
         counters and fields, then the file list."""
-        if self.schema != SCHEMA_VERSION:
-            raise SchemaError(f"{source}: schema {self.schema!r} is not {SCHEMA_VERSION!r}")
+        if self.schema not in ("2", "3"):
+            raise SchemaError(f"{source}: schema {self.schema!r} is not '2' or '3'")
+        if self.schema != "2" and self.format in _SCHEMA_2_FORMATS:
+            # only a writer can get here (reading states the lowest schema): never write it
+            raise SchemaError(
+                f"{source}: schema {self.schema!r} for format {self.format!r}, which schema '2' "
+                "expresses: a manifest claims the lowest schema it needs"
+            )
         self._validate_fields(source)
         self._validate_files(source)
 
@@ -219,7 +244,8 @@ def utc_now_iso() -> str:
 
 
 def migrate(data: dict[str, Any], *, source: str) -> dict[str, Any]:
-    """Bring a manifest dict from any supported schema to SCHEMA_VERSION (1 -> 2 -> 3).
+    """Bring a manifest dict from any supported schema to the in-memory form (1 -> 2, then the
+    format's current name): `schema` becomes the lowest that expresses it (see `Manifest`).
 
     A version this runner does not know is a SchemaError (possibly a newer runner's: kept,
     never replaced); a manifest that names no version at all is malformed or not ours, an
@@ -259,20 +285,26 @@ def migrate(data: dict[str, Any], *, source: str) -> dict[str, Any]:
         except (TypeError, ValueError, AttributeError) as exc:
             raise IntegrityError(f"{source}: malformed v1 manifest ({exc})") from exc
         schema = "2"
-    if schema == "2":
-        data = _migrate_v2_to_v3(data)
-    return data
+    return _lowest_schema(data, schema)
 
 
-def _migrate_v2_to_v3(v2: dict[str, Any]) -> dict[str, Any]:
-    """v3 renames the format `torch-sharded` to `torch-chunked`; nothing else differs. The
-    files keep the names they were written with (`shard_NNNNN.pt`): the chunk index lists them,
-    so the chunked reader finds either. `extra` is left as it was (no `migrated_from`: the
-    counters a v2 manifest stores are all five)."""
-    data = dict(v2)
-    data["schema"] = "3"
-    if data.get("format") == LEGACY_FORMAT_SHARDED:
+def _lowest_schema(data: dict[str, Any], schema: str) -> dict[str, Any]:
+    """Schema 2's `torch-sharded` is `torch-chunked` in memory, still schema "2" (its layout,
+    shard_NNNNN.pt and index schema "1", is schema 2's; the chunked reader reads either); a
+    schema-3 torch-state or seed-bin manifest (the runner between the rename and this rule
+    wrote them) is stated as "2"; a schema-2 one naming `torch-chunked`, schema 3's name, as
+    "3". Any other format keeps its schema (and is refused as unknown when read). Nothing else
+    differs between 2 and 3; `extra` is left as it was (no `migrated_from`: the counters a v2
+    manifest stores are all five)."""
+    data = dict(data)
+    fmt = data.get("format")
+    if schema == "2" and fmt == LEGACY_FORMAT_SHARDED:
         data["format"] = FORMAT_CHUNKED
+    elif schema == "2" and fmt == FORMAT_CHUNKED:
+        schema = SCHEMA_VERSION
+    elif fmt in _SCHEMA_2_FORMATS:
+        schema = "2"
+    data["schema"] = schema
     return data
 
 

@@ -36,7 +36,7 @@ from runner.atomicity.publish import Existing, publish_dir
 from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp, temp_name
 from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
-from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_TORCH, Manifest
+from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_TORCH, Manifest, schema_for
 from runner.checkpoint.payload import STATE_FILE, with_schema
 from runner.checkpoint.staging import Staging
 from runner.checkpoint.verify import verify_dir
@@ -213,6 +213,7 @@ class CheckpointWriter:
 
     def _commit(self, stage: Staging, *, meta: CheckpointMeta, format: str) -> CommittedCheckpoint:
         manifest = Manifest(
+            schema=schema_for(format),  # the lowest that expresses it
             step=meta.step,
             samples_seen=meta.samples_seen,
             world_size=meta.world_size,

@@ -203,7 +203,7 @@ def test_v1_checkpoint_migrates_to_v2_on_load(tmp_path: Path) -> None:
     (step_dir / "manifest.json").write_text(json.dumps(v1_manifest))
 
     manifest = verify_checkpoint(open_storage(tmp_path), 4)
-    assert (manifest.schema, manifest.samples_seen, manifest.world_size) == ("3", 20, 1)
+    assert (manifest.schema, manifest.samples_seen, manifest.world_size) == ("2", 20, 1)
     assert manifest.extra["migrated_from"] == "1"
     loaded = load_state(step_dir)
     assert loaded["schema"] == "2"

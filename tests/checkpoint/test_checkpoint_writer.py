@@ -41,7 +41,7 @@ def test_write_state_commits_a_verified_directory_with_manifest_fields(tmp_path:
         {"path": "state.pt", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     ]
     assert {k: manifest[k] for k in ("schema", "step", "samples_seen", "world_size")} == {
-        "schema": "3",  # manifest schema 3 (torch-chunked rename)
+        "schema": "2",  # torch-state: the lowest schema that expresses it
         "step": 3,
         "samples_seen": 15,
         "world_size": 1,
