@@ -76,16 +76,21 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
         if not report:
             click.echo(f"{target.uri}: every checkpoint verifies; nothing to repair")
     if unrestored:
-        hint = (
-            f"{source} has no verifying copy of them"
-            if source is not None
-            else "give --from RUN_DIR_OR_MIRROR with good copies to restore them"
-        )
-        raise IntegrityError(
-            f"step(s) {', '.join(map(str, unrestored))} of {target.uri} were corrupt and are set "
-            f"aside (kept under aside/, no longer resumed from); {hint}. The next save of "
-            "those steps can now land"
-        )
+        raise _set_aside_error(unrestored, uri=target.uri, source=source)
+
+
+def _set_aside_error(steps: list[int], *, uri: str, source: str | None) -> IntegrityError:
+    """Exit 3: the corrupt steps that could only be set aside, and how to restore them."""
+    hint = (
+        f"{source} has no verifying copy of them"
+        if source is not None
+        else "give --from RUN_DIR_OR_MIRROR with good copies to restore them"
+    )
+    return IntegrityError(
+        f"step(s) {', '.join(map(str, steps))} of {uri} were corrupt and are set "
+        f"aside (kept under aside/, no longer resumed from); {hint}. The next save of "
+        "those steps can now land"
+    )
 
 
 def _repair_step(target: Storage, origin: Storage | None, step: int, *, tmp: Path) -> str:
