@@ -1,1 +1,1 @@
-"""runner/console"""
+"""What a person sees on stderr: log set-up, the live progress line, transfer progress."""

@@ -1,1 +1,2 @@
-"""runner/system"""
+"""Facts about this process and its OS (descriptor limits, pid liveness); imports nothing above
+`errors`."""

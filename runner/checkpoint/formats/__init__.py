@@ -1,1 +1,2 @@
-"""runner/checkpoint/formats"""
+"""Payload formats a checkpoint directory can hold besides one `state.pt`: chunked (one
+process's state in size-bounded files + index.json) and the seed `step_NNNNNN.bin`."""
