@@ -183,6 +183,7 @@ def report_resume(
     history: Sequence[float] | None = None,
     counters: Counters | None = None,
     announce: bool = True,
+    mark_from_scratch: bool = True,
     logger: logging.Logger = log,
 ) -> int:
     """Report where attempt number `attempt` continues from; returns the steps lost.
@@ -191,12 +192,19 @@ def report_resume(
     that keep one without knowing the rule); `history` (the loss history the checkpoint
     carries) rebuilds the lines a fresh node lost with its disk. Metrics: a restart counts as
     a resume even from scratch, and the checkpoint found is reported for the first attempt.
-    `announce` logs the outcome ("resumed from ..."; the supervisor says it its own way) with
-    `counters` (the restored ones; the manifest's otherwise), under the caller's `logger`
-    (the README shows TrainSession's lines as runner.session.train_session's)."""
+    `counters`: the restored ones, whose step is where the run continues (a resume at another
+    world size rescales the manifest's step); the manifest's otherwise. It decides the steps
+    lost, the marker and the train_step metric. `announce` logs the outcome ("resumed from
+    ..."; the supervisor says it its own way) under the caller's `logger` (the README shows
+    TrainSession's lines as runner.session.train_session's). `mark_from_scratch`: a start
+    without a checkpoint supersedes the steps logged before it (a supervisor's restart); a
+    TrainSession passes False and leaves loss.jsonl alone then, as it always has."""
     step = point.step if point is not None else 0
+    if point is not None and counters is not None:
+        step = counters.step
     lost = steps_lost(loss_log, step)
-    loss_log.mark_resume(step)
+    if point is not None or mark_from_scratch:
+        loss_log.mark_resume(step)
     if point is not None and history is not None:
         backfill_loss_log(loss_log, history, source=f"checkpoint step {point.step}")
     if metrics is not None:
@@ -206,7 +214,7 @@ def report_resume(
         if point is not None or attempt > 1:
             metrics.resumed(steps_lost=lost)
         if point is not None:
-            metrics.train_step(point.step)
+            metrics.train_step(step)
     if not announce:
         return lost
     if point is None:
@@ -215,7 +223,7 @@ def report_resume(
     logger.info(
         "resumed from %s (step %d, %d samples seen%s)",
         point.step_dir,
-        counters.step if counters is not None else point.step,
+        step,
         counters.samples_seen if counters is not None else point.manifest.samples_seen,
         f"; {lost} logged steps after it are redone" if lost else "",
     )
@@ -269,15 +277,18 @@ def end_run(
     """Upload the final checkpoint `ckpt` (if any, to a mirror if there is one) and pick the
     exit code.
 
-    The upload runs in the caller's time: after a stop within `stop_deadline`; after a
-    normal finish with no deadline (a large final upload on a slow link is not a failure).
+    The upload runs in the caller's time: whenever a stop was requested within
+    `stop_deadline`, even when the run reached its target first (`stopped` False: the node is
+    going away all the same); after a normal finish with no stop request, with no deadline (a
+    large final upload on a slow link is not a failure).
+
     Exit 0 when the run finished and its final checkpoint is in the mirror (or there is no
     mirror or nothing to upload), 1 when that upload did not land (a scheduler retries); 75
     when stopped with a `final` checkpoint committed (or nothing trained, so nothing lost),
     else `stopped_without_final` (1, or the trainer's own 2 or 3 under `runner run`)."""
     landed: bool | None = None
     if mirror is not None and ckpt is not None:
-        deadline = stop_deadline(stop, grace_seconds=grace_seconds) if stopped else None
+        deadline = stop_deadline(stop, grace_seconds=grace_seconds)  # None without a stop
         landed = mirror.upload_now(ckpt, deadline=deadline)
     if stopped:
         code = EXIT_PREEMPTED if final else stopped_without_final

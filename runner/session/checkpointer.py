@@ -4,9 +4,14 @@ A save has two halves, so that a background saver can take the second one off th
 
 - capture, on the training loop between two optimizer steps: a `Snapshot` holds the payload
   dict, the counters and the manifest's fields, with the fingerprint computed from the
-  snapshot's own tensors (what is saved, not the live model);
+  snapshot's own tensors (what is saved, not the live model), and when the save began;
 - persist, by a `Saver`: serialise, hash, fsync and commit (CheckpointWriter), then the
   session's bookkeeping, local retention and the mirror hand-off, in that order.
+
+Everything one save needs travels in its Snapshot, nothing on the caller: with a background
+saver the loop has moved on (and may have begun the next save) when the callbacks run. A
+failure before the commit is the save's (`on_failure` classifies it); one after it (the
+callbacks) propagates as it is: the checkpoint stands.
 
 `SyncSaver` persists inside `save`, so the loop waits for the commit. At most one save is in
 flight: `Checkpointer.save` waits for the previous one before it captures (a saver that runs
@@ -21,14 +26,16 @@ existing state dicts.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.errors import RunnerError
 from runner.state.counters import Counters
 
 log = logging.getLogger(__name__)
@@ -74,10 +81,12 @@ class FingerprintsCaptured(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class Snapshot:
-    """One captured state on its way to disk: the payload and the manifest's fields."""
+    """One captured state on its way to disk: the payload, the manifest's fields and when its
+    save began (monotonic; the duration a commit reports is counted from there)."""
 
     payload: dict[str, Any]
     meta: CheckpointMeta
+    captured_at: float
 
     @property
     def step(self) -> int:
@@ -88,13 +97,17 @@ class Snapshot:
         return str(self.meta.extra.get("reason", ""))
 
 
-def capture(state: TrainState, *, reason: str, copy: bool = False) -> Snapshot:
-    """Snapshot `state` at this step boundary.
+def capture(
+    state: TrainState, *, reason: str, copy: bool = False, captured_at: float | None = None
+) -> Snapshot:
+    """Snapshot `state` at this step boundary; `captured_at` (monotonic) defaults to now.
 
     For the sync saver the payload references the live tensors (`copy=False`): the persist
     that reads them finishes before the loop's next optimizer step changes them. A background
     saver needs `copy=True` (host copies, taken before `save` returns; issue 13 reuses the
     buffers), and the fingerprint is then computed from the copies."""
+    if captured_at is None:
+        captured_at = time.monotonic()
     counters = state.counters
     payload = state.capture(copy=copy)
     if isinstance(state, FingerprintsCaptured):
@@ -110,7 +123,7 @@ def capture(state: TrainState, *, reason: str, copy: bool = False) -> Snapshot:
         fingerprint=digest,
         extra={"reason": reason},
     )
-    return Snapshot(payload=payload, meta=meta)
+    return Snapshot(payload=payload, meta=meta, captured_at=captured_at)
 
 
 class PendingSave(Protocol):
@@ -166,9 +179,14 @@ class SyncSaver:
 class Checkpointer:
     """Capture, persist (through a Saver) and load a session's checkpoints.
 
-    Persisting a snapshot runs, in order: `writer.write_state` (the commit), `on_commit`
-    (the caller's bookkeeping: metrics, the log line), `retention` (never fails a save) and
-    `hand_off` (the mirror), the last two skipped for what `hand_off_reasons` leaves out."""
+    A save runs `before_capture` (the session fsyncs its loss log: the loss history is at
+    least as durable as the checkpoint) and the capture on the caller's thread, then hands
+    the snapshot to the saver. Persisting it runs, in order: `writer.write_state` (the
+    commit), `on_commit` (the caller's bookkeeping: metrics, the log line), `retention`
+    (never fails a save) and `hand_off` (the mirror; the callback decides what it takes).
+
+    `on_failure(exc, step)` sees an OSError or RunnerError raised before the commit (before
+    capture, capture, write) and returns what to raise instead (itself to re-raise it)."""
 
     def __init__(
         self,
@@ -177,12 +195,16 @@ class Checkpointer:
         on_commit: Callable[[CommittedCheckpoint, Snapshot], None] | None = None,
         retention: Callable[[], None] | None = None,
         hand_off: Callable[[CommittedCheckpoint, Snapshot], None] | None = None,
+        before_capture: Callable[[], None] | None = None,
+        on_failure: Callable[[Exception, int], Exception] | None = None,
         saver: Callable[[Persist], Saver] = SyncSaver,
     ) -> None:
         self.writer = writer
         self._on_commit = on_commit
         self._retention = retention
         self._hand_off = hand_off
+        self._before_capture = before_capture
+        self._on_failure = on_failure
         self.saver = saver(self.persist)
 
     # -- saving -------------------------------------------------------------------------------
@@ -190,14 +212,25 @@ class Checkpointer:
     def save(self, state: TrainState, *, reason: str) -> PendingSave:
         """Wait for the save in flight, capture `state` and hand the snapshot to the saver."""
         self.saver.wait_for_saving()
-        return self.saver.save(capture(state, reason=reason))
+        started = time.monotonic()
+        try:
+            if self._before_capture is not None:
+                self._before_capture()
+            snapshot = capture(state, reason=reason, captured_at=started)
+        except (OSError, RunnerError) as exc:
+            self._failed_before_commit(exc, step=state.counters.step)
+        return self.saver.save(snapshot)
 
     def wait_for_saving(self) -> CommittedCheckpoint | None:
         return self.saver.wait_for_saving()
 
     def persist(self, snapshot: Snapshot) -> CommittedCheckpoint:
-        """The saver's half: commit the snapshot, then bookkeeping, retention, mirror."""
-        committed = self.writer.write_state(snapshot.payload, meta=snapshot.meta)
+        """The saver's half: commit the snapshot, then bookkeeping, retention, mirror. Only
+        the commit's failure is the save's; the callbacks' errors propagate unclassified."""
+        try:
+            committed = self.writer.write_state(snapshot.payload, meta=snapshot.meta)
+        except (OSError, RunnerError) as exc:
+            self._failed_before_commit(exc, step=snapshot.step)
         if self._on_commit is not None:
             self._on_commit(committed, snapshot)
         if self._retention is not None:
@@ -205,6 +238,13 @@ class Checkpointer:
         if self._hand_off is not None:
             self._hand_off(committed, snapshot)
         return committed
+
+    def _failed_before_commit(self, exc: Exception, *, step: int) -> NoReturn:
+        """Raise what `on_failure` makes of a failure before the commit of step `step`."""
+        replacement = self._on_failure(exc, step) if self._on_failure is not None else exc
+        if replacement is exc:
+            raise exc
+        raise replacement from exc
 
     def close(self) -> None:
         """Wait for the save in flight, then release the saver."""

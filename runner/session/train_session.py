@@ -28,7 +28,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
-from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
@@ -101,12 +100,6 @@ class TrainSession:
         self.writer = CheckpointWriter(
             self.ckpt_dir, run_id=uuid.uuid4().hex[:16], writer_id=config.writer_id
         )
-        self.checkpointer = Checkpointer(
-            self.writer,
-            on_commit=self._committed,
-            retention=self._prune_local,
-            hand_off=self._hand_off,
-        )
         self.policy = self._policy(start_step=0)
         # a full disk never stops training for the loss history: counted, logged, retried
         self.loss_log = LossLog(
@@ -114,6 +107,15 @@ class TrainSession:
             attempt=config.writer_id,
             on_failure=self._loss_log_failed,
             writes=rank.acts_as_primary,  # issue 12: the primary logs the (all-reduced) loss
+        )
+        self.checkpointer = Checkpointer(
+            self.writer,
+            on_commit=self._committed,
+            retention=self._prune_local,
+            hand_off=self._hand_off,
+            # the loss history is at least as durable as the checkpoint (never raises)
+            before_capture=self.loss_log.sync,
+            on_failure=self._save_failed,
         )
         self.last_checkpoint: CommittedCheckpoint | None = None
         self.resumed_checkpoint: CommittedCheckpoint | None = None
@@ -199,8 +201,14 @@ class TrainSession:
             self._give_up_startup(exc)
             return None
         if point is None:
+            # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
             report_resume(
-                None, run_dir=self.run_dir, loss_log=self.loss_log, metrics=self.metrics, logger=log
+                None,
+                run_dir=self.run_dir,
+                loss_log=self.loss_log,
+                metrics=self.metrics,
+                mark_from_scratch=False,
+                logger=log,
             )
             self.policy = self._policy(start_step=0)
             return None
@@ -296,33 +304,26 @@ class TrainSession:
         return False
 
     def save(self, *, reason: str) -> CommittedCheckpoint:
-        """Commit a checkpoint of the current state now, and hand it to the mirror."""
-        counters = self.state.counters
-        self._save_started = time.monotonic()
-        self._save_committed = False
-        try:
-            self.loss_log.sync()  # the loss history is at least as durable as the checkpoint
-            # capture, commit, then _committed, _prune_local and _hand_off (runner.session.
-            # checkpointer); the sync saver has committed when result() returns
-            return self.checkpointer.save(self.state, reason=reason).result()
-        except OSError as exc:
-            if self._save_committed:  # failed after the commit: not a failed save
-                raise
-            if self.metrics is not None:
-                self.metrics.checkpoint_failed("save")
-            previous = self.last_checkpoint.step if self.last_checkpoint else self.resumed_from
-            raise write_error(
-                exc, step=counters.step, ckpt_dir=self.ckpt_dir, previous=previous
-            ) from exc
-        except RunnerError:
-            if self.metrics is not None and not self._save_committed:
-                self.metrics.checkpoint_failed("save")
-            raise
+        """Commit a checkpoint of the current state now, and hand it to the mirror.
+
+        The loss log's fsync, capture, commit, then _committed, _prune_local and _hand_off
+        (runner.session.checkpointer; a failure before the commit goes through _save_failed);
+        the sync saver has committed when result() returns."""
+        return self.checkpointer.save(self.state, reason=reason).result()
+
+    def _save_failed(self, exc: Exception, step: int) -> Exception:
+        """A save of step `step` that failed before its commit: counted; an OSError becomes
+        the CheckpointWriteError that says what stands and what to do (a RunnerError stays)."""
+        if self.metrics is not None:
+            self.metrics.checkpoint_failed("save")
+        if not isinstance(exc, OSError):
+            return exc
+        previous = self.last_checkpoint.step if self.last_checkpoint else self.resumed_from
+        return write_error(exc, step=step, ckpt_dir=self.ckpt_dir, previous=previous)
 
     def _committed(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
         """Bookkeeping once a save is committed, before retention and the mirror see it."""
-        duration = time.monotonic() - self._save_started
-        self._save_committed = True
+        duration = time.monotonic() - snapshot.captured_at
         self.policy.saved(snapshot.step)
         self.last_checkpoint = committed
         self._known_good.add(committed.step)
@@ -342,14 +343,6 @@ class TrainSession:
         # the final and stop checkpoints go up in finish(), within the deadline
         if self.mirror is not None and snapshot.reason not in ("final", "stop"):
             self.mirror.submit(committed)
-
-    def _load_checkpoint(self, step_dir: Path, manifest: Manifest) -> Counters:
-        """Load a checkpoint verified moments ago in this process into `self.state` (model,
-        optimizer, scheduler, sampler, counters, RNG); returns the counters to continue from.
-
-        It writes into the live objects: call it on the loop's thread, not in a worker that
-        a stop may give up on (the resolver's `load` may run `Checkpointer.read` there)."""
-        return self.checkpointer.load_checkpoint_into(step_dir, manifest, self.state)
 
     def _prune_local(self) -> None:
         from runner.checkpoint.retention import prune

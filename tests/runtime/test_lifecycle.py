@@ -320,6 +320,24 @@ def test_fake_stalled_store_a_normal_finish_waits_for_the_upload_without_deadlin
     assert list_checkpoints(store) == [10]
 
 
+def test_fake_stalled_store_a_finish_with_a_stop_pending_gets_the_grace_too(
+    tmp_path: Path, stop: StopController
+) -> None:
+    store = FakeStalledStore(tmp_path / "bucket")
+    mirror = Mirror(store, keep=2, writer_id="pod-a")
+    ckpt = make_checkpoint(tmp_path / "run", 10)
+    arrived = time.monotonic()
+    stop.request_stop("in-process")  # arrived as the run reached its target
+    try:
+        ending = end_run(mirror=mirror, ckpt=ckpt, stop=stop, grace_seconds=1.0, stopped=False)
+        returned = time.monotonic()
+    finally:
+        store.release.set()
+    assert ending.landed is False
+    assert ending.exit_code == EXIT_FAILURE  # finished, its final checkpoint not mirrored
+    assert arrived + 1.0 - 0.1 <= returned <= arrived + 1.0 + 1.0, returned - arrived
+
+
 def test_exit_codes_of_the_ending(tmp_path: Path, stop: StopController) -> None:
     ckpt = make_checkpoint(tmp_path / "run", 10)
     mirror = Mirror(FileStorage(tmp_path / "bucket"), keep=2, writer_id="pod-a")

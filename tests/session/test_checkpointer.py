@@ -13,7 +13,6 @@ from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
-from runner.config import RunConfig
 from runner.session.checkpointer import (
     Checkpointer,
     LoadsInto,
@@ -22,7 +21,6 @@ from runner.session.checkpointer import (
     SyncSaver,
     capture,
 )
-from runner.session.train_session import TrainSession
 from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint, fingerprint_state
 from runner.state.sampler import ResumableSampler
@@ -356,18 +354,16 @@ def test_sync_saver_has_nothing_in_flight_after_save(tmp_path: Path) -> None:
     assert handle.result() is committed and saver.wait_for_saving() is committed
 
 
-def test_session_load_checkpoint_restores_into_its_state(tmp_path: Path) -> None:
+def test_load_checkpoint_into_restores_a_module_state(tmp_path: Path) -> None:
+    # (was a test of TrainSession._load_checkpoint, removed: restore reads in the resolver's
+    # worker and loads on the loop's thread, test_train_session pins that bit-exact)
     source = trained(4)
-    config = RunConfig(run_dir=tmp_path / "run", writer_id="pod-a")
     committed = CheckpointWriter(
         tmp_path / "run" / "checkpoints", run_id="r", writer_id="pod-a"
     ).write_state(source.capture(), meta=capture(source, reason="steps").meta)
     target = trained(1, seed=5)
-    session = TrainSession(config, state=target)
-    try:
-        counters = session._load_checkpoint(committed.path, committed.manifest)
-    finally:
-        session.close()
+    ckpt = Checkpointer(writer(tmp_path / "other"))
+    counters = ckpt.load_checkpoint_into(committed.path, committed.manifest, target)
     assert counters == source.counters
     assert target.fingerprint() == source.fingerprint() == committed.manifest.fingerprint
     assert_equal_tensors(tensors_of(target), tensors_of(source))

@@ -13,10 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from runner.checkpoint.listing import list_checkpoints, read_manifest
+from runner.errors import EXIT_FAILURE, EXIT_OK
+from runner.metrics.registry import RunnerMetrics
 from runner.mirror import Mirror
+from runner.preemption.stop import StopController
+from runner.runtime.services import Services
+from runner.session.train_session import TrainSession
+from runner.state.train_state import ModuleTrainState
+from runner.storage.file import FileStorage
 from runner.storage.s3 import S3Storage
 from tests.fixtures.ckpt import make_checkpoint
 from tests.fixtures.fake_store import FakeStore, env_for
+from tests.runtime.test_lifecycle import FakeStalledStore
+from tests.session.test_train_session import config, new_state, train_step
 
 DEADLINE_S = 8.0
 
@@ -80,3 +90,67 @@ def test_fake_failing_store_final_upload_starts_no_retry_after_the_deadline(
     )
     errors = [r.getMessage() for _, r in records.records if r.levelno >= logging.ERROR]
     assert any("did NOT reach s3://bucket/run" in e and "the stop deadline" in e for e in errors)
+
+
+def _train_to_the_target_with_a_stop_arriving(
+    session: TrainSession, state: ModuleTrainState, stop: StopController, *, steps: int
+) -> float:
+    """Train to `steps`; a stop without a deadline of its own arrives with the last step.
+    Returns the monotonic instant it arrived."""
+    arrived = 0.0
+    while not session.should_stop:
+        train_step(state)
+        if session.step == steps:
+            arrived = time.monotonic()
+            stop.request_stop("SIGTERM")
+        session.step_done()
+    return arrived
+
+
+def test_fake_stalled_store_a_run_at_its_target_with_a_stop_pending_uploads_within_the_grace(
+    tmp_path: Path,
+) -> None:
+    store = FakeStalledStore(tmp_path / "bucket")
+    metrics = RunnerMetrics()
+    mirror = Mirror(store, keep=2, writer_id="pod-a", metrics=metrics)
+    cfg = config(tmp_path, mirror=False, steps=3, ckpt_every=100, grace_seconds=1.0)
+    stop = StopController()
+    try:
+        services = Services(metrics=metrics, mirror=mirror)
+        state = new_state()
+        with TrainSession(cfg, state=state, stop=stop, services=services) as session:
+            arrived = _train_to_the_target_with_a_stop_arriving(session, state, stop, steps=3)
+        returned = time.monotonic()
+    finally:
+        store.release.set()
+        mirror.close()
+        stop.close()
+    assert session.target_reached is True
+    # the upload had the stop's grace from its arrival; before the fix it waited on the store
+    assert arrived + 1.0 - 0.1 <= returned <= arrived + 1.0 + 1.0, returned - arrived
+    assert session.final_upload_landed is False
+    assert session.exit_code == EXIT_FAILURE  # finished, but the final one is not mirrored
+    local = FileStorage(tmp_path / "run")
+    assert list_checkpoints(local) == [3]
+    assert read_manifest(local, 3).extra["reason"] == "final"
+
+
+def test_a_run_at_its_target_with_a_stop_pending_exits_0_once_its_final_one_is_mirrored(
+    tmp_path: Path,
+) -> None:
+    bucket = FileStorage(tmp_path / "bucket")
+    metrics = RunnerMetrics()
+    mirror = Mirror(bucket, keep=2, writer_id="pod-a", metrics=metrics)
+    cfg = config(tmp_path, mirror=False, steps=3, ckpt_every=100, grace_seconds=30.0)
+    stop = StopController()
+    try:
+        services = Services(metrics=metrics, mirror=mirror)
+        state = new_state()
+        with TrainSession(cfg, state=state, stop=stop, services=services) as session:
+            _train_to_the_target_with_a_stop_arriving(session, state, stop, steps=3)
+    finally:
+        mirror.close()
+        stop.close()
+    assert session.final_upload_landed is True
+    assert session.exit_code == EXIT_OK  # at the target: 0, not 75
+    assert list_checkpoints(bucket) == [3]
