@@ -62,6 +62,8 @@ def download_checkpoint(
         # hashed as they arrived; the payload's counters must agree with the manifest too,
         # or a mislabelled checkpoint would be published and only refused when loaded
         check_payload_counters(staging, local)
+        # the schema it was read as, the lowest that expresses it (a v2 torch-sharded one
+        # is written back as v2 torch-sharded): the bytes its writer committed
         atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
         fsync_dir(staging)
         with publishing():  # never once a stop has given start-up up (runner.preemption.startup)

@@ -75,6 +75,7 @@ def upload_checkpoint(
     base = checkpoint_key(local.step)
     try:
         _send_files(storage, step_dir, local, remote, progress=progress, file_workers=file_workers)
+        # the local manifest's lowest schema again (runner.checkpoint.manifest.Manifest)
         storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
     except StorageConflictError:
         settled = _settle_conflict(storage, local, remote, base=base, attempt=attempt)

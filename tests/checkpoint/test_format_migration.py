@@ -111,6 +111,22 @@ def test_schema_2_torch_sharded_checkpoint_uploads_and_downloads_as_it_was(
     assert state_fingerprint(load_state(pulled)) == V2_FINGERPRINT
 
 
+def test_a_fork_of_a_schema_2_torch_sharded_checkpoint_is_schema_3_with_the_same_files(
+    tmp_path: Path,
+) -> None:
+    """A fork writes a new checkpoint (its own run_id) from the old files: it says v3
+    `torch-chunked`, its payload files are the old runner's bytes, and it verifies."""
+    from runner.mirror.fork import fork_run
+
+    fork_run(open_storage(_v2_run(tmp_path)), tmp_path / "fork", writer_id="w")
+    step_dir = tmp_path / "fork" / "checkpoints" / "step_000002"
+    data = json.loads((step_dir / "manifest.json").read_bytes())
+    assert (data["schema"], data["format"]) == ("3", "torch-chunked")
+    payload = {k: v for k, v in tree_hashes(step_dir).items() if k != "manifest.json"}
+    assert payload == {k: v for k, v in tree_hashes(V2_SHARDED).items() if k != "manifest.json"}
+    assert verify_dir(step_dir).fingerprint == V2_FINGERPRINT
+
+
 def _v2(**fields: object) -> dict[str, object]:
     data: dict[str, object] = {
         "schema": "2",
