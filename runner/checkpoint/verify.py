@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from runner.atomicity.files import hash_stream
 from runner.checkpoint.counter_check import check_payload_counters, check_remote_counters
@@ -42,6 +43,8 @@ from runner.storage.file import FileStorage
 log = logging.getLogger(__name__)
 
 SkipCallback = Callable[[int, str], None]
+T = TypeVar("T")
+SkipTypes = type[Exception] | tuple[type[Exception], ...]
 
 
 @dataclass
@@ -94,30 +97,82 @@ def verify_checkpoint(storage: Storage, step: int) -> Manifest:
     return manifest
 
 
+@dataclass(frozen=True)
+class Verdict(Generic[T]):
+    """One checkpoint of a newest-first walk: what its check returned, or why it failed."""
+
+    step: int
+    value: T | None = None
+    """What the check returned (the verified manifest for `iter_verified`); None on failure."""
+    exc: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exc is None
+
+    @property
+    def error(self) -> str | None:
+        return None if self.exc is None else str(self.exc)
+
+
+def iter_checked(
+    storage: Storage,
+    check: Callable[[Storage, int], T],
+    *,
+    steps: Iterable[int] | None = None,
+    skip: SkipTypes = RunnerError,
+    on_skip: SkipCallback | None = None,
+) -> Iterator[Verdict[T]]:
+    """The one walk behind every "newest checkpoint that verifies": `check(storage, step)` on
+    each committed checkpoint, newest first in numeric step order, one Verdict each.
+
+    Lazy: a checkpoint is checked only when its verdict is asked for, so a caller that stops
+    at the first good one hashes nothing older. A failure of a `skip` type is yielded (and
+    reported to `on_skip(step, why)` first) and the walk goes on; any other error propagates.
+    `steps`: walk these, in this order, instead (e.g. the one step a user named)."""
+    for step in reversed(list_checkpoints(storage)) if steps is None else steps:
+        try:
+            value = check(storage, step)
+        except skip as exc:
+            if on_skip is not None:
+                on_skip(step, str(exc))
+            yield Verdict(step=step, exc=exc)
+        else:
+            yield Verdict(step=step, value=value)
+
+
+def iter_verified(
+    storage: Storage,
+    *,
+    hashing: bool = True,
+    steps: Iterable[int] | None = None,
+    on_skip: SkipCallback | None = None,
+) -> Iterator[Verdict[Manifest]]:
+    """`iter_checked` with the rules of the module docstring (`verify_checkpoint`), or with
+    `hashing=False` only the manifest's (`read_manifest`: bounded, parses, its named step);
+    every RunnerError is a failed verdict."""
+    check = verify_checkpoint if hashing else read_manifest
+    return iter_checked(storage, check, steps=steps, on_skip=on_skip)
+
+
 def scan(storage: Storage) -> list[CheckpointStatus]:
     """Verify every checkpoint, newest first; a failure is recorded, not raised."""
-    statuses = []
-    for step in reversed(list_checkpoints(storage)):
-        try:
-            manifest = verify_checkpoint(storage, step)
-        except RunnerError as exc:
-            statuses.append(CheckpointStatus(step=step, ok=False, error=str(exc), manifest=None))
-        else:
-            statuses.append(CheckpointStatus(step=step, ok=True, error=None, manifest=manifest))
-    return statuses
+    return [
+        CheckpointStatus(step=v.step, ok=v.ok, error=v.error, manifest=v.value)
+        for v in iter_verified(storage)
+    ]
 
 
 def newest_verified(storage: Storage, *, on_skip: SkipCallback | None = None) -> Manifest | None:
     """The newest checkpoint whose files all verify; each newer one skipped is logged and
     reported to `on_skip(step, why)`."""
-    for step in reversed(list_checkpoints(storage)):
-        try:
-            return verify_checkpoint(storage, step)
-        except RunnerError as exc:
-            log.warning("skipping checkpoint step %d at %s: %s", step, storage.uri, exc)
-            if on_skip is not None:
-                on_skip(step, str(exc))
-    return None
+
+    def skipped(step: int, why: str) -> None:
+        log.warning("skipping checkpoint step %d at %s: %s", step, storage.uri, why)
+        if on_skip is not None:
+            on_skip(step, why)
+
+    return next((v.value for v in iter_verified(storage, on_skip=skipped) if v.ok), None)
 
 
 def verify_dir(

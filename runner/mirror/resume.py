@@ -115,6 +115,9 @@ def choose_resume(
         if on_skip is not None:
             on_skip(refusal.step, refusal.why)
 
+    # not checkpoint.verify.iter_checked (one location): two locations' steps, each tried
+    # locally then in the mirror, whose copy may replace only the local one just refused (two
+    # refusals a step), and a manifest-less local step_N counted (list_checkpoints skips it)
     for step in sorted(set(local_steps) | remote_steps, reverse=True):
         local_refusal: Refusal | None = None
         if step in local_steps:
