@@ -34,9 +34,9 @@ from runner.mirror import Mirror, upload_checkpoint
 from runner.preemption.stop import StopController
 from runner.runtime.lifecycle import end_run, find_resume, report_resume, stop_deadline
 from runner.state.counters import Counters
-from runner.storage.base import ProgressCallback
 from runner.storage.file import FileStorage
 from tests.fixtures.ckpt import make_checkpoint, tree_hashes
+from tests.fixtures.stalled_store import FakeStalledStore
 
 
 @pytest.fixture
@@ -266,26 +266,6 @@ def test_stop_deadline_is_the_requests_own_else_grace_from_the_first_arrival() -
         assert stop_deadline(stop, grace_seconds=30.0) == 140.0  # the earliest carried one
     finally:
         stop.close()
-
-
-class FakeStalledStore(FileStorage):
-    """A real file:// store whose uploads stall until released (a fake: the fault is the
-    stall, on the test's schedule)."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.release = threading.Event()
-
-    def put_file(
-        self,
-        key: str,
-        src: Path,
-        *,
-        sha256: str | None = None,
-        progress: ProgressCallback | None = None,
-    ) -> None:
-        self.release.wait(60)
-        super().put_file(key, src, sha256=sha256, progress=progress)
 
 
 def test_fake_stalled_store_a_stop_without_deadline_gets_the_grace_from_its_arrival(

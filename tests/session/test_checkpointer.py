@@ -25,6 +25,7 @@ from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint, fingerprint_state
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
+from tests.fixtures.savers import FakeInFlightSaver
 
 SAMPLES = 40
 BATCH = 4
@@ -280,43 +281,6 @@ def test_persist_runs_commit_bookkeeping_retention_hand_off_in_order(tmp_path: P
     assert calls == ["commit 2 signal", "retention", "hand off 2"]
     assert ckpt.wait_for_saving() == committed
     ckpt.close()
-
-
-class FakeInFlightSaver:
-    """A fake background saver that only records: save() leaves the snapshot in flight until
-    wait_for_saving() persists it."""
-
-    def __init__(self, persist: Persist) -> None:
-        self.persist = persist
-        self.events: list[str] = []
-        self.pending: Snapshot | None = None
-        self.last: CommittedCheckpoint | None = None
-
-    def save(self, snapshot: Snapshot) -> SyncSaverHandle:
-        assert self.pending is None, "a second save while one is in flight"
-        self.events.append(f"save {snapshot.step}")
-        self.pending = snapshot
-        return SyncSaverHandle(self)
-
-    def wait_for_saving(self) -> CommittedCheckpoint | None:
-        if self.pending is not None:
-            self.events.append(f"wait {self.pending.step}")
-            self.last = self.persist(self.pending)
-            self.pending = None
-        return self.last
-
-    def close(self) -> None:
-        self.events.append("close")
-
-
-class SyncSaverHandle:
-    def __init__(self, saver: FakeInFlightSaver) -> None:
-        self.saver = saver
-
-    def result(self) -> CommittedCheckpoint:
-        committed = self.saver.wait_for_saving()
-        assert committed is not None
-        return committed
 
 
 def test_fake_in_flight_saver_each_save_first_waits_for_the_one_in_flight(tmp_path: Path) -> None:

@@ -25,8 +25,8 @@ from runner.storage.file import FileStorage
 from runner.storage.s3 import S3Storage
 from tests.fixtures.ckpt import make_checkpoint
 from tests.fixtures.fake_store import FakeStore, env_for
-from tests.runtime.test_lifecycle import FakeStalledStore
-from tests.session.test_train_session import config, new_state, train_step
+from tests.fixtures.stalled_store import FakeStalledStore
+from tests.fixtures.train_loop import config, new_state, train_step
 
 DEADLINE_S = 8.0
 

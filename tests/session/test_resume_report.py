@@ -17,7 +17,7 @@ from runner.checkpoint.sidecars import LossLog
 from runner.session.train_session import TrainSession
 from runner.state.train_state import ModuleTrainState
 from runner.storage.file import FileStorage
-from tests.session.test_train_session import config, new_state, train_step
+from tests.fixtures.train_loop import config, new_state, train_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

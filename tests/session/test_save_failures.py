@@ -16,16 +16,27 @@ from typing import Any
 import pytest
 
 from runner.checkpoint.listing import list_checkpoints
-from runner.checkpoint.writer import CheckpointMeta, CommittedCheckpoint
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import CheckpointConflictError, CheckpointWriteError
 from runner.session.checkpointer import Checkpointer, Snapshot
 from runner.session.train_session import TrainSession
+from runner.state.train_state import ModuleTrainState
 from runner.storage.file import FileStorage
-from tests.session.test_checkpointer import FakeInFlightSaver, train_step, trained, writer
-from tests.session.test_train_session import config, new_state
-from tests.session.test_train_session import train_step as session_step
+from tests.fixtures.savers import FakeInFlightSaver
+from tests.fixtures.train_loop import config, new_state, train_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def writer(tmp_path: Path) -> CheckpointWriter:
+    return CheckpointWriter(tmp_path / "checkpoints", run_id="run-1", writer_id="w")
+
+
+def trained(steps: int) -> ModuleTrainState:
+    state = new_state()
+    for _ in range(steps):
+        train_step(state)
+    return state
 
 
 def _fail_step(ckpt: Checkpointer, step: int, exc: Exception) -> None:
@@ -126,7 +137,7 @@ def test_fake_full_disk_session_save_fails_with_advice_and_training_goes_on(
         _fail_step(session.checkpointer, 4, OSError(errno.ENOSPC, "No space left on device"))
         with caplog.at_level(logging.INFO, logger="runner"):
             for _ in range(4):
-                session_step(state)
+                train_step(state)
                 assert session.step_done() is False  # the failed save at 4 stops nothing
         assert _failures(session) == 1.0
         with pytest.raises(CheckpointWriteError) as caught:
@@ -158,7 +169,7 @@ def test_fake_failing_mirror_hand_off_session_save_raises_it_uncounted(tmp_path:
             raise OSError(errno.EIO, "the mirror's queue broke")
 
         session.mirror.submit = submit  # type: ignore[method-assign]
-        session_step(state)
+        train_step(state)
         with pytest.raises(OSError, match="the mirror's queue broke") as caught:
             session.save(reason="signal")
         assert not isinstance(caught.value, CheckpointWriteError)

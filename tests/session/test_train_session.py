@@ -20,39 +20,7 @@ from runner.state.fingerprint import fingerprint_state
 from runner.state.train_state import ModuleTrainState
 from runner.storage.file import FileStorage
 from tests.fixtures.ckpt import tree_hashes
-
-BATCH = 5
-
-
-def new_state(*, seed: int = 0) -> ModuleTrainState:
-    """A two-layer MLP with AdamW, its weights drawn from `seed`."""
-    gen = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
-    return ModuleTrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
-
-
-def train_step(state: ModuleTrainState) -> None:
-    """One optimizer step on a batch that depends only on the step number, so that a resumed
-    run sees the same data as an uninterrupted one."""
-    gen = torch.Generator().manual_seed(1000 + state.counters.step)
-    x = torch.randn(BATCH, 4, generator=gen)
-    loss = state.model(x).pow(2).mean()
-    state.optimizer.zero_grad()
-    loss.backward()
-    state.optimizer.step()
-    state.advance(loss=float(loss.detach()), samples=BATCH)
-
-
-def config(tmp_path: Path, *, mirror: bool = True, **kw: Any) -> RunConfig:
-    return RunConfig(
-        run_dir=kw.pop("run_dir", tmp_path / "run"),
-        mirror=f"file://{tmp_path / 'bucket'}" if mirror else None,
-        writer_id="pod-a",
-        **kw,
-    )
+from tests.fixtures.train_loop import BATCH, config, new_state, train_step
 
 
 def local(cfg: RunConfig) -> FileStorage:

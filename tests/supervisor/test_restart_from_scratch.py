@@ -6,6 +6,7 @@ tests/session/test_resume_report.py). The C seed trainer, a real RunnerMetrics r
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,14 +19,21 @@ from runner.errors import ChildFailedError
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.stop import StopController
 from runner.supervisor.supervise import Supervisor
-from tests.supervisor.test_supervisor_metrics import N, child_log  # noqa: F401 (a fixture)
+
+N = 16  # the seed trainer's parameters
+
+
+@pytest.fixture
+def child_log(tmp_path: Path) -> Iterator[BinaryIO]:
+    with open(tmp_path / "child.log", "wb") as f:
+        yield f
 
 
 def test_a_restart_from_scratch_supersedes_the_crashed_attempts_steps(
     tmp_path: Path,
     seed_trainer: Path,
     monkeypatch: pytest.MonkeyPatch,
-    child_log: BinaryIO,  # noqa: F811
+    child_log: BinaryIO,
 ) -> None:
     monkeypatch.setenv("TRAINER_ALWAYS_CRASH_AT", "2")  # before its first checkpoint (5)
     registry = CollectorRegistry()
