@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from typing import Any
 
@@ -12,7 +11,6 @@ import click
 
 from runner.cli import options
 from runner.config import RunConfig
-from runner.runtime.rank import SINGLE_PROCESS, RankContext
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +44,9 @@ def run(command: tuple[str, ...], **params: Any) -> None:
     committed.
     """
     config = options.config_from_options(**params)
-    # torchrun's variables, read here with every other setting (carried, not acted on yet)
-    rank = RankContext.from_env(os.environ)
-    sys.exit(supervise(list(command), config=config, rank=rank))
+    # A supervisor is no rank: torchrun's variables are not read here (a stray contradictory
+    # RANK/WORLD_SIZE must not stop it); its trainer inherits them with the environment.
+    sys.exit(supervise(list(command), config=config))
 
 
 # Not the demo's runs/demo: after `runner demo`, a trainer supervised with the default run dir
@@ -59,15 +57,11 @@ for _param in run.params:
         _param.default = RUN_DEFAULT_DIR
 
 
-def supervise(
-    command: list[str],
-    *,
-    config: RunConfig,
-    rank: RankContext = SINGLE_PROCESS,
-) -> int:
+def supervise(command: list[str], *, config: RunConfig) -> int:
     """Entry point body: signal handlers, notices, metrics and mirror around a Supervisor."""
     from runner.preemption.signals import install_signal_handlers
     from runner.preemption.stop import StopController
+    from runner.runtime.rank import SINGLE_PROCESS
     from runner.runtime.services import run_services
     from runner.supervisor.reap import become_subreaper
     from runner.supervisor.supervise import Supervisor
@@ -80,7 +74,8 @@ def supervise(
     with contextlib.ExitStack() as stack:
         stack.callback(restore)
         stack.callback(controller.close)
-        services = stack.enter_context(run_services(config, controller, rank=rank))
+        # the supervisor does the run's single-writer work, whatever rank its trainer is
+        services = stack.enter_context(run_services(config, controller, rank=SINGLE_PROCESS))
         code = Supervisor(
             command,
             config=config,

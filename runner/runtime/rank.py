@@ -60,18 +60,34 @@ class RankContext:
     def from_env(cls, environ: Mapping[str, str]) -> RankContext:
         """The context torchrun's variables describe; rank 0 of 1 without WORLD_SIZE. torchrun
         sets all of them, so a lone RANK or LOCAL_RANK left in the environment by something
-        else is ignored rather than fatal. With WORLD_SIZE set, a variable that is not a whole
-        number, or values that contradict each other, are a ConfigError (exit 2) naming it."""
-        if _integer(environ, "WORLD_SIZE") is None:
+        else is ignored rather than fatal. With WORLD_SIZE set, a missing RANK, LOCAL_RANK or
+        GROUP_RANK is 0, and a missing LOCAL_WORLD_SIZE (launchers other than torchrun may
+        leave it out) is WORLD_SIZE: every process of the launch then agrees on it (LOCAL_RANK
+        + 1 would differ between the processes of one node), it holds any LOCAL_RANK the world
+        can have, and it is exact for a one-node launch. A variable that is not a whole number,
+        or values that contradict each other (RANK >= WORLD_SIZE, LOCAL_RANK >= WORLD_SIZE),
+        are a ConfigError (exit 2) naming them."""
+        world_size = _integer(environ, "WORLD_SIZE")
+        if world_size is None:
             return cls()
         values = {name: _integer(environ, name) for name in ENV_VARIABLES}
-        defaults = cls()
+        rank = _or(values["RANK"], 0)
+        local_rank = _or(values["LOCAL_RANK"], 0)
+        local_world_size = values["LOCAL_WORLD_SIZE"]
+        if local_world_size is None:
+            cls(rank=rank, world_size=world_size)  # WORLD_SIZE and RANK checked first, as ever
+            if not 0 <= local_rank < world_size:
+                # not __post_init__'s message: it would name a LOCAL_WORLD_SIZE nobody set
+                raise ConfigError(
+                    f"LOCAL_RANK must be 0..WORLD_SIZE-1 (got LOCAL_RANK={local_rank}, "
+                    f"WORLD_SIZE={world_size})"
+                )
         return cls(
-            rank=_or(values["RANK"], defaults.rank),
-            world_size=_or(values["WORLD_SIZE"], defaults.world_size),
-            local_rank=_or(values["LOCAL_RANK"], defaults.local_rank),
-            local_world_size=_or(values["LOCAL_WORLD_SIZE"], defaults.local_world_size),
-            node_rank=_or(values["GROUP_RANK"], defaults.node_rank),
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=_or(local_world_size, world_size),
+            node_rank=_or(values["GROUP_RANK"], 0),
         )
 
     @property

@@ -19,7 +19,7 @@ from runner.checkpoint.listing import list_checkpoints
 from runner.config import RunConfig
 from runner.errors import EXIT_USAGE, ConfigError
 from runner.preemption.stop import StopController
-from runner.runtime.rank import SINGLE_PROCESS, RankContext
+from runner.runtime.rank import ENV_VARIABLES, SINGLE_PROCESS, RankContext
 from runner.runtime.services import run_services
 from runner.session.train_session import TrainSession
 from runner.state.train_state import ModuleTrainState
@@ -65,6 +65,34 @@ def test_stray_variables_without_world_size_are_ignored() -> None:
         assert RankContext.from_env(environ) == SINGLE_PROCESS, environ
 
 
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        # a launcher that sets the global variables and LOCAL_RANK, not LOCAL_WORLD_SIZE
+        (
+            {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"},
+            RankContext(rank=1, world_size=4, local_rank=1, local_world_size=4),
+        ),
+        (
+            {"WORLD_SIZE": "8", "RANK": "7", "LOCAL_RANK": "7", "GROUP_RANK": "0"},
+            RankContext(rank=7, world_size=8, local_rank=7, local_world_size=8),
+        ),
+        ({"WORLD_SIZE": "4", "RANK": "3"}, RankContext(rank=3, world_size=4, local_world_size=4)),
+        ({"WORLD_SIZE": "1"}, SINGLE_PROCESS),
+        (
+            {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": ""},
+            RankContext(world_size=3, local_world_size=3),
+        ),
+    ],
+)
+def test_a_missing_local_world_size_is_the_world_size(
+    environ: dict[str, str], expected: RankContext
+) -> None:
+    ctx = RankContext.from_env(environ)
+    assert ctx == expected
+    assert not ctx.coordinated and ctx.acts_as_primary
+
+
 def test_primary_and_local_primary() -> None:
     node_1_first = RankContext(rank=2, world_size=4, local_rank=0, local_world_size=2, node_rank=1)
     assert not node_1_first.is_primary and node_1_first.is_local_primary
@@ -94,6 +122,21 @@ def test_primary_and_local_primary() -> None:
             "LOCAL_RANK must be 0..LOCAL_WORLD_SIZE-1 (got LOCAL_RANK=2, LOCAL_WORLD_SIZE=2)",
         ),
         ({"WORLD_SIZE": "2", "GROUP_RANK": "-3"}, "GROUP_RANK must be >= 0 (got -3)"),
+        # without LOCAL_WORLD_SIZE, LOCAL_RANK is checked against WORLD_SIZE and named so
+        (
+            {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "4"},
+            "LOCAL_RANK must be 0..WORLD_SIZE-1 (got LOCAL_RANK=4, WORLD_SIZE=4)",
+        ),
+        (
+            {"WORLD_SIZE": "4", "LOCAL_RANK": "-1"},
+            "LOCAL_RANK must be 0..WORLD_SIZE-1 (got LOCAL_RANK=-1, WORLD_SIZE=4)",
+        ),
+        # ... after WORLD_SIZE and RANK, as with every variable set
+        (
+            {"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "5"},
+            "RANK must be 0..WORLD_SIZE-1 (got RANK=2, WORLD_SIZE=2)",
+        ),
+        ({"WORLD_SIZE": "0", "LOCAL_RANK": "3"}, "WORLD_SIZE must be >= 1 (got 0)"),
         ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' must be a whole number"),
         ({"WORLD_SIZE": "2.0"}, "WORLD_SIZE='2.0' must be a whole number"),
     ],
@@ -126,6 +169,72 @@ def test_runner_demo_refuses_a_rank_outside_the_world(tmp_path: Path) -> None:
         "runner: error: RANK must be 0..WORLD_SIZE-1 (got RANK=2, WORLD_SIZE=2)"
     )
     assert not (tmp_path / "run").exists()
+
+
+TINY_DEMO = ["--steps", "2", "--device", "cpu", "--threads", "1", "--batch-size", "2"]
+
+
+def test_runner_demo_runs_without_local_world_size(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "demo", "--run-dir", str(run_dir), *TINY_DEMO],
+        env={**no_rank_env(), "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert list_checkpoints(FileStorage(run_dir)) == [2]
+    # rank 1 of an uncoordinated launch still does the single-writer work (issue 12 changes it)
+    assert [json.loads(line)["step"] for line in (run_dir / "loss.jsonl").open()] == [1, 2]
+
+
+REPO = Path(__file__).resolve().parents[2]
+SEED_WRITER = REPO / "tests" / "trainers" / "seed_writer.py"
+RANK_REPORT = "RANK=${RANK-unset} WORLD_SIZE=${WORLD_SIZE-unset} LOCAL_RANK=${LOCAL_RANK-unset}"
+
+
+def no_rank_env() -> dict[str, str]:
+    """This environment without torchrun's variables or RUNNER_* settings."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ENV_VARIABLES and not k.startswith("RUNNER_")
+    }
+
+
+@pytest.mark.parametrize(
+    "stray",
+    [
+        {"RANK": "2", "WORLD_SIZE": "2"},
+        {"RANK": "one", "WORLD_SIZE": "0", "LOCAL_RANK": "9"},
+        {"WORLD_SIZE": "2.0", "LOCAL_WORLD_SIZE": "5"},
+    ],
+    ids=["rank-outside-world", "malformed", "not-whole"],
+)
+def test_runner_run_does_not_read_the_rank_variables(tmp_path: Path, stray: dict[str, str]) -> None:
+    """`runner run` is a supervisor, not a rank: under variables `runner demo` refuses it
+    supervises, mirrors and exits as without them, and its trainer inherits them as set."""
+    run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
+    trainer = f'echo "{RANK_REPORT}"; exec "{sys.executable}" "{SEED_WRITER}" rename 3'
+    args = ["run", "--run-dir", str(run_dir), "--mirror", mirror.as_uri()]
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", *args, "--", "sh", "-c", trainer],
+        cwd=REPO,
+        env={**no_rank_env(), "PYTHONPATH": str(REPO), "TEST_MIRROR_DIR": str(mirror), **stray},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # the trainer exits 5 unless the supervisor mirrored its checkpoint while it ran
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = {k: stray.get(k, "unset") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    assert " ".join(f"{k}={v}" for k, v in report.items()) in result.stdout.splitlines()
+    assert "error" not in result.stderr.lower(), result.stderr
+    assert list_checkpoints(FileStorage(run_dir)) == [3]
+    assert list_checkpoints(FileStorage(mirror)) == [3]
 
 
 # -- the consumers ----------------------------------------------------------------------------
