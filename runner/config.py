@@ -19,6 +19,7 @@ from runner.storage.limits import (
 )
 
 NOTICE_SOURCES = ("off", "auto", "aws", "gcp", "azure")
+"""`--notices`: the choices of its click option and of RunConfig's check (listed once)."""
 
 
 def default_writer_id() -> str:
@@ -48,7 +49,7 @@ class RunConfig:
     """Port for /metrics and /healthz; 0 disables the server."""
     metrics_host: str = "0.0.0.0"
     notices: str = "off"
-    """Cloud preemption notice source: off, auto, aws, gcp, azure."""
+    """Cloud preemption notice source, one of NOTICE_SOURCES."""
     notice_poll_seconds: float = 5.0
     notice_endpoint: str | None = None
     """Override the metadata endpoint base URL (tests, proxies)."""

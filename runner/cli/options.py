@@ -2,7 +2,10 @@
 
 Every option is also read from `RUNNER_<OPTION>` (DESIGN.md, CLI). The options of a RunConfig
 field take their default from RunConfig and leave their checks to it (one ConfigError, exit 2):
-`config_from_options` builds the config of `runner demo` and `runner run` alike."""
+`config_from_options` builds the config of `runner demo` and `runner run` alike. Where `--help`
+shows a choice or a range, the click type says it too, built from RunConfig's constants (click's
+usual "Invalid value" error, shell completion); RunConfig checks the same values again for the
+in-process API."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from runner.config import NOTICE_SOURCES, RunConfig
+from runner.config import MAXIMA, NOTICE_SOURCES, RunConfig
 from runner.storage.limits import (
     DEFAULT_STORE_TIMEOUT_S,
     MAX_STORE_TIMEOUT_S,
@@ -139,7 +142,7 @@ notices = _opt(
     "--notices",
     env="RUNNER_NOTICES",
     default=RunConfig.default("notices"),
-    metavar="[" + "|".join(NOTICE_SOURCES) + "]",  # checked by RunConfig
+    type=click.Choice(NOTICE_SOURCES),
     help="Poll a cloud's preemption notice endpoint.",
 )
 notice_poll_seconds = _opt(
@@ -165,7 +168,8 @@ max_restarts = _opt(
 restart_backoff = _opt(
     "--restart-backoff",
     env="RUNNER_RESTART_BACKOFF",
-    type=float,
+    # no min: a negative backoff is RunConfig's ConfigError, as it was before the range showed
+    type=click.FloatRange(max=MAXIMA["restart_backoff"]),
     default=RunConfig.default("restart_backoff"),
     help="First delay before restarting a crashed trainer, doubled each time (max 60 s).",
 )
@@ -201,13 +205,14 @@ at its first store call that gave up. The value reaches every location the comma
 training_store_timeout = _opt(
     "--store-timeout",
     env="RUNNER_STORE_TIMEOUT",
-    type=float,
+    type=click.FloatRange(min=MIN_STORE_TIMEOUT_S, max=MAXIMA["store_timeout"]),
     default=RunConfig.default("store_timeout"),
     metavar="SECONDS",
-    help=STORE_TIMEOUT_HELP + f" {MIN_STORE_TIMEOUT_S:g} to {MAX_STORE_TIMEOUT_S:g} s.",
+    help=STORE_TIMEOUT_HELP,
 )
-"""For `runner demo` and `runner run` (in run_options): RunConfig.store_timeout, checked
-there; their mirror keeps trying later uploads after a call gave up (hours of training)."""
+"""For `runner demo` and `runner run` (in run_options): RunConfig.store_timeout (its range
+checked by click, as the one-shot option's, and by RunConfig); their mirror keeps trying later
+uploads after a call gave up (hours of training)."""
 
 STEP = click.IntRange(min=0)
 """A checkpoint step (`--step N`): step 0 is the state before the first update."""

@@ -72,7 +72,7 @@ def test_a_field_without_a_plain_default_is_a_programming_error() -> None:
         ({"restart_backoff": 1e10}, "--restart-backoff must be <= 3600 (got 1e+10)"),
     ],
 )
-def test_run_config_checks_what_the_options_no_longer_do(
+def test_run_config_checks_the_ranges_the_options_check_too(
     tmp_path: Path, settings: dict[str, float], message: str
 ) -> None:
     with pytest.raises(ConfigError) as refused:
