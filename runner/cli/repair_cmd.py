@@ -39,8 +39,7 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
     """Replace every corrupt checkpoint at LOCATION with a verifying copy from --from, or set
     it aside (kept, no longer counted) when no good copy is given. Exit 0 when every corrupt
     step was restored, 3 when some could only be set aside."""
-    from runner.checkpoint.listing import list_checkpoints
-    from runner.checkpoint.verify import verify_checkpoint
+    from runner.checkpoint.verify import iter_checked, verify_checkpoint
     from runner.storage import is_run_dir_path, open_existing
 
     target = open_existing(location)
@@ -54,15 +53,15 @@ def repair(location: str, source: str | None, as_json: bool) -> None:
 
             stack.enter_context(runlock.acquire(Path(location), command="runner repair"))
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="runner-repair-"))
-        for step in reversed(list_checkpoints(target)):
-            try:
-                verify_checkpoint(target, step)  # a run dir or file:// is checked in place
-            except SchemaError as exc:
-                report.append({"step": step, "status": "unreadable, left alone", "error": str(exc)})
+        # every checkpoint, not only down to the newest good one (a run dir or file:// is
+        # checked in place); a storage error stops it. Each step is repaired before the next
+        # older one is verified
+        for verdict in iter_checked(target, verify_checkpoint, skip=IntegrityError):
+            step, problem = verdict.step, verdict.error
+            if verdict.ok:
                 continue
-            except IntegrityError as exc:
-                problem = str(exc)
-            else:
+            if isinstance(verdict.exc, SchemaError):
+                report.append({"step": step, "status": "unreadable, left alone", "error": problem})
                 continue
             status = _repair_step(target, origin, step, tmp=Path(tmp))
             if status != "restored":

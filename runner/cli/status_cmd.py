@@ -18,10 +18,11 @@ import click
 from runner.checkpoint.manifest import created_at_unix
 from runner.cli.formatting import human_duration, human_size
 from runner.cli.options import json_output, store_timeout
-from runner.errors import NoVerifiedCheckpointError, RunnerError
+from runner.errors import NoVerifiedCheckpointError
 
 if TYPE_CHECKING:
-    from runner.storage.base import Storage
+    from runner.checkpoint.manifest import Manifest
+    from runner.checkpoint.verify import Verdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,7 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
     verifies."""
     from runner.checkpoint.hints import misplaced_hint
     from runner.checkpoint.listing import list_checkpoints
+    from runner.checkpoint.verify import iter_verified
     from runner.storage import open_existing
 
     # a missing local directory is a mistyped path (exit 2, as in ls/verify), while an
@@ -63,8 +65,8 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
     steps = list_checkpoints(storage)
     newest: CheckpointSummary | None = None
     newest_verified: CheckpointSummary | None = None
-    for step in reversed(steps):
-        summary = _summary(storage, step, verify=verify, now=now)
+    for verdict in iter_verified(storage, hashing=verify, steps=reversed(steps)):
+        summary = _summary(verdict, verify=verify, now=now)
         newest = newest or summary
         if summary.verified:
             newest_verified = summary
@@ -80,26 +82,22 @@ def location_status(location: str, *, verify: bool, now: float) -> LocationStatu
     )
 
 
-def _summary(storage: Storage, step: int, *, verify: bool, now: float) -> CheckpointSummary:
+def _summary(verdict: Verdict[Manifest], *, verify: bool, now: float) -> CheckpointSummary:
     """What one checkpoint's manifest says, and with `verify` whether its files match."""
-    from runner.checkpoint.listing import read_manifest
-    from runner.checkpoint.verify import verify_checkpoint
-
-    try:
-        manifest = verify_checkpoint(storage, step) if verify else read_manifest(storage, step)
-    except RunnerError as exc:
+    manifest = verdict.value
+    if manifest is None:
         return CheckpointSummary(
-            step=step,
+            step=verdict.step,
             created_at=None,
             age_seconds=None,
             size_bytes=None,
             writer=None,
             fingerprint=None,
             verified=False,
-            error=str(exc),
+            error=verdict.error,
         )
     return CheckpointSummary(
-        step=step,
+        step=verdict.step,
         created_at=manifest.created_at,
         age_seconds=_age_seconds(manifest.created_at, now=now),
         size_bytes=manifest.total_bytes,

@@ -106,9 +106,8 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
     """Download a checkpoint from LOCATION into the run dir DEST, verifying every sha256.
     Without --step: the newest one that verifies; corrupt newer ones are reported and
     skipped. Exit 3 when nothing verifies."""
-    from runner.checkpoint.listing import list_checkpoints, read_manifest
-    from runner.console.progress import transfer_progress
-    from runner.mirror import download_checkpoint
+    from runner.checkpoint.listing import list_checkpoints
+    from runner.checkpoint.verify import iter_checked
     from runner.storage import open_existing
 
     storage = open_existing(location)
@@ -125,27 +124,46 @@ def pull(location: str, dest: Path, step: int | None, as_json: bool) -> None:
         if not candidates:
             raise NoVerifiedCheckpointError(f"{storage.uri} has no checkpoints")
         skipped: list[dict[str, Any]] = []
-        for s in candidates:
-            try:
-                remote = read_manifest(storage, s)
-                _refuse_to_replace_a_different_checkpoint(dest, remote, source=storage.uri)
-                total = remote.total_bytes
-                with transfer_progress(total, desc=f"pull step {s}") as progress:
-                    path = download_checkpoint(storage, s, dest, progress=progress)
-            except (IntegrityError, StorageNotFoundError) as exc:
-                skipped.append({"step": s, "error": str(exc)})
-                if not as_json:
-                    click.echo(f"step {s}: skipped, {exc}", err=True)
-                continue
-            if as_json:
-                click.echo(json.dumps({"step": s, "path": str(path), "skipped": skipped}, indent=2))
-            else:
-                click.echo(f"pulled step {s} from {storage.uri} into {path} ({total} bytes)")
-            return
-        raise NoVerifiedCheckpointError(
-            f"no checkpoint at {storage.uri} verified (tried steps "
-            f"{', '.join(str(x['step']) for x in skipped)})"
+
+        def skip(s: int, why: str) -> None:
+            skipped.append({"step": s, "error": why})
+            if not as_json:
+                click.echo(f"step {s}: skipped, {why}", err=True)
+
+        # the download is the verification (every file hashed as it arrives): no second pass
+        pulls = iter_checked(
+            storage,
+            lambda st, s: _pull_step(st, s, dest),
+            steps=candidates,
+            skip=(IntegrityError, StorageNotFoundError),
+            on_skip=skip,
         )
+        pulled = next((v.value for v in pulls if v.value is not None), None)
+        if pulled is None:
+            raise NoVerifiedCheckpointError(
+                f"no checkpoint at {storage.uri} verified (tried steps "
+                f"{', '.join(str(x['step']) for x in skipped)})"
+            )
+        s, path, total = pulled
+        if as_json:
+            click.echo(json.dumps({"step": s, "path": str(path), "skipped": skipped}, indent=2))
+        else:
+            click.echo(f"pulled step {s} from {storage.uri} into {path} ({total} bytes)")
+
+
+def _pull_step(storage: Storage, step: int, dest: Path) -> tuple[int, Path, int]:
+    """Download checkpoint `step` into the run dir `dest` (hashed as it arrives): its step,
+    local directory and size. Refuses (ConfigError) to replace a different one there."""
+    from runner.checkpoint.listing import read_manifest
+    from runner.console.progress import transfer_progress
+    from runner.mirror import download_checkpoint
+
+    remote = read_manifest(storage, step)
+    _refuse_to_replace_a_different_checkpoint(dest, remote, source=storage.uri)
+    total = remote.total_bytes
+    with transfer_progress(total, desc=f"pull step {step}") as progress:
+        path = download_checkpoint(storage, step, dest, progress=progress)
+    return step, path, total
 
 
 def _refuse_to_replace_a_different_checkpoint(dest: Path, remote: Manifest, *, source: str) -> None:

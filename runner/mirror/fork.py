@@ -24,6 +24,7 @@ from typing import Any
 from runner.atomicity.files import atomic_write_bytes
 from runner.checkpoint.layout import CHECKPOINTS_DIR, LOSS_FILE, checkpoint_key
 from runner.checkpoint.listing import list_checkpoints, read_manifest
+from runner.checkpoint.verify import iter_checked
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import (
     ConfigError,
@@ -62,21 +63,25 @@ def fork_run(
     run_id = f"fork-{uuid.uuid4().hex[:12]}"
     writer = CheckpointWriter(dst / CHECKPOINTS_DIR, run_id=run_id, writer_id=writer_id)
     skipped: list[tuple[int, str]] = []
-    candidates = [step] if step is not None else list(reversed(list_checkpoints(src)))
     if step is not None and step not in list_checkpoints(src):
         raise IntegrityError(f"{src.uri}: no checkpoint at step {step}")
-    committed = None
-    for candidate in candidates:
-        try:
-            committed = _copy_checkpoint(src, candidate, writer=writer)
-            break
-        except RunnerError as exc:
-            if step is not None:
-                raise
-            skipped.append((candidate, str(exc)))
-            log.warning("fork: skipping step %d of %s: %s", candidate, src.uri, exc)
-            if on_skip is not None:
-                on_skip(candidate, str(exc))
+
+    def skip(candidate: int, why: str) -> None:
+        skipped.append((candidate, why))
+        log.warning("fork: skipping step %d of %s: %s", candidate, src.uri, why)
+        if on_skip is not None:
+            on_skip(candidate, why)
+
+    # the copy is the verification (every file hashed against the manifest as it is written);
+    # a step the user named is not skipped but raises
+    copies = iter_checked(
+        src,
+        partial(_copy_checkpoint, writer=writer),
+        steps=None if step is None else [step],
+        skip=RunnerError if step is None else (),
+        on_skip=skip,
+    )
+    committed = next((v.value for v in copies if v.value is not None), None)
     if committed is None:
         raise NoVerifiedCheckpointError(f"{src.uri}: no checkpoint verifies; nothing to fork")
     loss_steps, restored = _copy_loss_history(src, dst, checkpoint=committed)
