@@ -59,11 +59,11 @@ def demo(
     SIGTERM/SIGINT: finish the step, commit the final checkpoint, exit 75.
     SIGUSR1: checkpoint at the end of the current step and keep training."""
     from runner.runtime import runlock
-    from runner.runtime.rank import RankContext
+    from runner.runtime.rank import launch_context
 
     config = options.config_from_options(**kwargs)
     # torchrun's variables, read here with every other setting (carried, not acted on yet)
-    rank = RankContext.from_env(os.environ)
+    rank = launch_context(os.environ)
     # The run dir's lock before torch is imported (a second demo on it exits 2 in a fraction
     # of a second); TrainSession takes it again, sharing this process's hold.
     with runlock.acquire(config.run_dir, command="runner demo"):

@@ -12,10 +12,13 @@ and RunConfig sits below the runtime layer that acts on them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # torchrun's variables (torch.distributed.elastic): GROUP_RANK is the node's rank.
 ENV_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -109,6 +112,18 @@ class RankContext:
 
 SINGLE_PROCESS = RankContext()
 """Rank 0 of 1: the in-process API's default (a caller under torchrun passes its own)."""
+
+
+def launch_context(environ: Mapping[str, str]) -> RankContext:
+    """The context of this process's launch, for the CLI. Until issue 12 coordinates ranks
+    nothing acts on it, so an environment that does not describe a valid rank (a stray or
+    malformed WORLD_SIZE/RANK left by another tool) is warned about and runs as rank 0 of 1,
+    as before the context existed, instead of ending the run with exit 2."""
+    try:
+        return RankContext.from_env(environ)
+    except ConfigError as exc:
+        log.warning("ignoring the launch variables (%s): running as rank 0 of 1", exc)
+        return SINGLE_PROCESS
 
 
 def _integer(environ: Mapping[str, str], name: str) -> int | None:

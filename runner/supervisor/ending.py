@@ -8,6 +8,7 @@ After a normal finish, 0 only when the newest checkpoint is in the mirror
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from runner.errors import (
     RunnerError,
 )
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import end_run
+from runner.runtime.lifecycle import end_run, stop_deadline
 from runner.supervisor.child import describe_exit
 from runner.supervisor.hooks import MirrorHook
 
@@ -46,8 +47,10 @@ def finish_mirrored(
     request) and otherwise tries once more in the caller's time."""
     if mirror is None or newest is None:
         return EXIT_OK
-    # no deadline on a normal finish: a large checkpoint on a slow link is not a failure
-    mirror.wait_idle(None)
+    # no deadline on a normal finish: a large checkpoint on a slow link is not a failure;
+    # a stop that arrived meanwhile bounds the wait, as it bounds end_run's upload
+    deadline = stop_deadline(stop, grace_seconds=grace_seconds)
+    mirror.wait_idle(None if deadline is None else max(0.0, deadline - time.monotonic()))
     ending = end_run(
         mirror=mirror, ckpt=newest, stop=stop, grace_seconds=grace_seconds, stopped=False
     )
