@@ -187,6 +187,8 @@ def report_resume(
     logger: logging.Logger = log,
 ) -> int:
     """Report where attempt number `attempt` continues from; returns the steps lost.
+    Long because it is the one resume report of both entry points, read top to bottom: steps
+    lost, the loss.jsonl marker and backfill, the metrics, the announcement.
 
     Steps logged past the resume point are superseded in loss.jsonl (a marker, for trainers
     that keep one without knowing the rule); `history` (the loss history the checkpoint

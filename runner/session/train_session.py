@@ -77,7 +77,9 @@ class TrainSession:
         refusals_reported: bool = False,
         rank: RankContext = SINGLE_PROCESS,
     ) -> None:
-        """`services` (metrics, mirror) default to those the config asks for, started here:
+        """Wires the session's parts in the order they must exist (lock, services, writer,
+        checkpointer, policy, loss log), hence its length.
+        `services` (metrics, mirror) default to those the config asks for, started here:
         metrics served on `config.metrics_port`, notices polled, checkpoints mirrored.
         `rank`: this process's place in a launch (the entry point reads it from torchrun's
         variables); only a process that `acts_as_primary` runs services, writes the loss log,
