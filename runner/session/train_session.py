@@ -167,8 +167,13 @@ class TrainSession:
             self.close()
 
     def close(self) -> None:
-        self.loss_log.close()
-        self._owned.close()
+        # the saver first (a background one finishes its save in flight), then the loss log,
+        # then services and the run-dir lock, which the save may still need
+        try:
+            self.checkpointer.close()
+        finally:
+            self.loss_log.close()
+            self._owned.close()
 
     def _loss_log_failed(self) -> None:
         if self.metrics is not None:
