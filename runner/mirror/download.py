@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from runner.atomicity.files import atomic_write_bytes, fsync_dir
@@ -22,7 +21,7 @@ from runner.checkpoint.listing import read_manifest
 from runner.checkpoint.manifest import FileEntry, Manifest
 from runner.checkpoint.verify import verify_dir
 from runner.errors import CheckpointConflictError, IntegrityError, SchemaError
-from runner.mirror.remote_layout import to_local
+from runner.mirror.remote_layout import for_each_file, to_local
 from runner.preemption.startup import publishing
 from runner.storage.base import ProgressCallback, Storage
 
@@ -85,24 +84,11 @@ def _fetch_files(
 ) -> None:
     """Every file of `remote` into `staging` under its local name, several at once, each
     hashed against the manifest as it arrives."""
-    base = checkpoint_key(local.step)
-    with ThreadPoolExecutor(
-        max_workers=max(1, min(file_workers, len(local.files))),
-        thread_name_prefix=f"download-{local.step}",
-    ) as pool:
-        jobs = [
-            pool.submit(
-                _download_one,
-                storage,
-                key=f"{base}/{remote_entry.path}",
-                dst=staging / entry.path,
-                entry=entry,
-                progress=progress,
-            )
-            for entry, remote_entry in zip(local.files, remote.files, strict=True)
-        ]
-        for job in jobs:
-            job.result()
+
+    def fetch(entry: FileEntry, key: str) -> None:
+        _download_one(storage, key=key, dst=staging / entry.path, entry=entry, progress=progress)
+
+    for_each_file(local, remote, fetch, file_workers=file_workers, name="download")
 
 
 def _download_one(

@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from runner.checkpoint.layout import ATTEMPT_FIELD
+from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key
 from runner.checkpoint.manifest import FileEntry, Manifest
 from runner.errors import IntegrityError
 
@@ -65,3 +67,26 @@ def same_checkpoint(a: Manifest, b: Manifest) -> bool:
     """Same step, state and payload bytes (wherever each copy lives)."""
     la, lb = to_local(a), to_local(b)
     return (la.step, la.fingerprint, la.files) == (lb.step, lb.fingerprint, lb.files)
+
+
+def for_each_file(
+    local: Manifest,
+    remote: Manifest,
+    work: Callable[[FileEntry, str], None],
+    *,
+    file_workers: int,
+    name: str,
+) -> None:
+    """`work(local entry, its remote key)` for every file of a checkpoint, several at once
+    (upload and download alike); the first failure is raised once all have ended."""
+    base = checkpoint_key(local.step)
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(file_workers, len(local.files))),
+        thread_name_prefix=f"{name}-{local.step}",
+    ) as pool:
+        jobs = [
+            pool.submit(work, entry, f"{base}/{remote_entry.path}")
+            for entry, remote_entry in zip(local.files, remote.files, strict=True)
+        ]
+        for job in jobs:
+            job.result()

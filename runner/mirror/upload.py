@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from runner.checkpoint.aside import CORRUPT, decommit_remote
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.listing import read_manifest_bytes, read_manifest_dir
-from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.manifest import FileEntry, Manifest
 from runner.checkpoint.verify import verify_checkpoint
 from runner.errors import (
     IntegrityError,
@@ -21,6 +20,7 @@ from runner.errors import (
 )
 from runner.mirror.remote_layout import (
     ATTEMPT_FIELD,
+    for_each_file,
     new_attempt_id,
     same_checkpoint,
     to_remote,
@@ -120,25 +120,18 @@ def _send_files(
 ) -> None:
     """Every file of `step_dir` to its key in this attempt's directory, several at once,
     each checked against the local manifest's size and sha256."""
-    base = checkpoint_key(local.step)
-    with ThreadPoolExecutor(
-        max_workers=max(1, min(file_workers, len(local.files))),
-        thread_name_prefix=f"upload-{local.step}",
-    ) as pool:
-        jobs = [
-            pool.submit(
-                _upload_one,
-                storage,
-                key=f"{base}/{remote_entry.path}",
-                src=step_dir / entry.path,
-                size=entry.size,
-                sha256=entry.sha256,
-                progress=progress,
-            )
-            for entry, remote_entry in zip(local.files, remote.files, strict=True)
-        ]
-        for job in jobs:
-            job.result()
+
+    def send(entry: FileEntry, key: str) -> None:
+        _upload_one(
+            storage,
+            key=key,
+            src=step_dir / entry.path,
+            size=entry.size,
+            sha256=entry.sha256,
+            progress=progress,
+        )
+
+    for_each_file(local, remote, send, file_workers=file_workers, name="upload")
 
 
 def _upload_one(
