@@ -108,7 +108,6 @@ class Supervisor:
         self.commits = CommitTracker(
             self.run_dir, writer=self.writer, keep=config.keep, mirror=mirror, metrics=metrics
         )
-        self.adopter = self.commits.adopter
         self.tail_lines = tail_lines
         self.outputs: deque[AttemptOutput] = deque(maxlen=ATTEMPTS_SHOWN)
         self._stdout = stdout or sys.stdout.buffer
