@@ -124,6 +124,14 @@ class StorageTimeoutError(StorageTransientError):
     call may succeed."""
 
 
+class PeerLostError(RunnerError):
+    """A collective with the other ranks of a torchrun job failed (runner/collective): a peer
+    process died or hung past the channel's timeout. This rank exits 1 rather than wait
+    forever; the last committed checkpoint stands."""
+
+    exit_code = EXIT_FAILURE
+
+
 def exit_code_for(exc: BaseException) -> int:
     """Map any exception to the process exit code (DESIGN.md, 'Exit codes')."""
     if isinstance(exc, RunnerError):
