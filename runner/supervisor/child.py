@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from runner.errors import ConfigError
@@ -25,13 +25,17 @@ _LAST_DRAIN_SECONDS = 0.2  # after the sweep's SIGKILL, past a deadline
 
 
 class OutputTail:
-    """Thread-safe ring of the last complete (or final partial) output lines."""
+    """Thread-safe ring of the last complete (or final partial) output lines; `observer`
+    sees every line (torchrun's failure summary may be longer than the ring)."""
 
-    def __init__(self, lines: int) -> None:
+    def __init__(self, lines: int, observer: Callable[[str], None] | None = None) -> None:
         self._lines: deque[str] = deque(maxlen=lines)
         self._lock = threading.Lock()
+        self._observer = observer
 
     def add(self, line: str) -> None:
+        if self._observer is not None:
+            self._observer(line)
         with self._lock:
             self._lines.append(line)
 
@@ -44,9 +48,11 @@ class AttemptOutput:
     """The last output lines of one trainer attempt and how it ended, for the report shown
     when the supervisor gives up or refuses to restart."""
 
-    def __init__(self, attempt: int, lines: int) -> None:
+    def __init__(
+        self, attempt: int, lines: int, observer: Callable[[str], None] | None = None
+    ) -> None:
         self.attempt = attempt
-        self.tail = OutputTail(lines)
+        self.tail = OutputTail(lines, observer)
         self.pid: int | None = None
         self.ended: str | None = None
 

@@ -106,6 +106,15 @@ def _process_table() -> dict[int, _Stat]:
     return table
 
 
+def children_of(parent: int) -> list[int]:
+    """The live processes whose parent is `parent` (torchrun's workers)."""
+    return sorted(
+        pid
+        for pid, info in _process_table().items()
+        if info.ppid == parent and info.state not in ("Z", "X")
+    )
+
+
 def _alive(pid: int) -> bool:
     info = _stat(pid)
     return info is not None and info.state not in ("Z", "X")

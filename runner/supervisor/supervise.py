@@ -63,6 +63,7 @@ from runner.supervisor.restarts import (
     refusal_message,
     restart_loop,
 )
+from runner.supervisor.torchrun import PlainTrainer, launcher_for
 from runner.supervisor.tracking import CommitTracker
 from runner.supervisor.watch import start_trainer, sweep, watch
 
@@ -137,7 +138,8 @@ class Supervisor:
     def _run_locked(self) -> int:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.writer.cleanup_partial()
-        self._adopt(settled=True)  # files left by a trainer whose supervisor died
+        # files left by a trainer whose supervisor died
+        self._adopt(settled=True, follow=False)
         try:
             return restart_loop(
                 self._run_once,
@@ -178,7 +180,8 @@ class Supervisor:
         if self.controller.stop_requested:  # arrived while looking for the checkpoint
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
-        child, output = self._start(resume)
+        launcher = launcher_for(self.command)  # torchrun: runner/supervisor/torchrun.py
+        child, output = self._start(resume, launcher)
         try:
             watched = watch(
                 child,
@@ -187,6 +190,7 @@ class Supervisor:
                 scan=self._scan,
                 before_stop=self.commits.record_step_at_stop,
                 metrics=self.metrics,
+                launcher=launcher,
             )
         except BaseException:
             # The supervisor itself failed: do not leave the trainer running unsupervised.
@@ -198,6 +202,7 @@ class Supervisor:
         # write into the checkpoint directory.
         sweep(child, self.controller)
         output.ended = f"{describe_exit(code)} after {time.monotonic() - child.started_at:.1f} s"
+        code = launcher.exit_code(code)  # torchrun's 1 for workers that all exited 75, ...
         self._adopt(settled=True)
         if watched.stop_sent_at is not None:
             return self._unless_lost(
@@ -233,8 +238,10 @@ class Supervisor:
             )
         return resume
 
-    def _start(self, resume: ResumePoint[None] | None) -> tuple[ChildProcess, AttemptOutput]:
-        output = AttemptOutput(self.attempts, self.tail_lines)
+    def _start(
+        self, resume: ResumePoint[None] | None, launcher: PlainTrainer
+    ) -> tuple[ChildProcess, AttemptOutput]:
+        output = AttemptOutput(self.attempts, self.tail_lines, launcher.observe)
         self.outputs.append(output)
         env = child_env(
             self.config,
@@ -244,6 +251,7 @@ class Supervisor:
             attempt=self.attempts,
             run_lock=self._run_lock,
         )
+        launcher.environment(env, grace_seconds=self.config.grace_seconds)
         child = start_trainer(
             self.command,
             env=env,
@@ -312,5 +320,10 @@ class Supervisor:
         self._adopt(settled=False)
         self.commits.report_step()
 
-    def _adopt(self, *, settled: bool) -> None:
-        self.commits.adopt(settled=settled, stopping=self.controller.stop_requested)
+    def _adopt(self, *, settled: bool, follow: bool = True) -> None:
+        """The trainer's seed files adopted and, with `follow`, the checkpoint dirs it
+        committed itself counted (not before the first attempt: resume verifies those)."""
+        stopping = self.controller.stop_requested
+        self.commits.adopt(settled=settled, stopping=stopping)
+        if follow:
+            self.commits.follow_committed(stopping=stopping)

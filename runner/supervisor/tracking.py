@@ -74,6 +74,19 @@ class CommitTracker:
             self.adopter.rejected.clear()
         return adopted
 
+    def follow_committed(self, *, stopping: bool) -> None:
+        """A checkpoint dir the trainer committed itself (a runner child such as `runner
+        demo`, or its ranks under torchrun: every rank's files under rank 0's manifest) counts
+        as the newest once its manifest is in place and, unless `stopping`, is mirrored."""
+        newest = newest_committed(self.ckpt_dir)
+        if newest is None:
+            return
+        if self.last_checkpoint is not None and newest.step <= self.last_checkpoint.step:
+            return
+        self.last_checkpoint = newest
+        if self.mirror is not None and not stopping:
+            self.mirror.submit(newest)  # the final one is uploaded when the stop ends
+
     def report_step(self) -> None:
         """The trainer's step, from its loss.jsonl when it keeps one."""
         step = self._loss.poll()

@@ -15,6 +15,7 @@ from runner.preemption.stop import StopController
 from runner.supervisor.child import AttemptOutput, ChildProcess
 from runner.supervisor.hooks import MetricsHook
 from runner.supervisor.reap import SWEEP_GRACE_SECONDS
+from runner.supervisor.torchrun import PlainTrainer
 
 # the supervisor's lines keep the one logger name they have always had
 log = logging.getLogger("runner.supervisor.supervise")
@@ -72,32 +73,38 @@ def watch(
     scan: Callable[[], None],
     before_stop: Callable[[], None],
     metrics: MetricsHook | None,
+    launcher: PlainTrainer | None = None,
 ) -> Watched:
     """Until the trainer exits: forward signals, call `scan()` (adopt its checkpoints, report
-    its step) every `scan_interval`; `before_stop()` runs just before the stop is forwarded."""
+    its step) every `scan_interval`; `before_stop()` runs just before the stop is forwarded.
+    `launcher` says how SIGUSR1 and the kill reach it (runner/supervisor/torchrun.py)."""
+    launcher = launcher or PlainTrainer()
     stop_sent_at: float | None = None
     killed = False
+    checkpoint_pending = False  # a SIGUSR1 nothing could take yet (torchrun's workers)
     next_reap = time.monotonic() + REAP_INTERVAL_SECONDS
     while child.poll() is None:
         if controller.stop_requested and stop_sent_at is None:
             before_stop()
             stop_sent_at = forward_stop(child, controller, metrics)
-        if controller.take_checkpoint_request() is not None and stop_sent_at is None:
-            log.info("forwarding SIGUSR1: the trainer checkpoints and continues")
-            child.signal_group(signal.SIGUSR1)
+        if controller.take_checkpoint_request() is not None:
+            checkpoint_pending = True
+        if checkpoint_pending and stop_sent_at is None:
+            checkpoint_pending = not launcher.checkpoint(child)
         time_left = controller.time_left()
         if stop_sent_at is not None and not killed and time_left is not None and time_left <= 0:
             log.error(
                 "grace period over and the trainer is still running: killing its group; "
                 "the last checkpoint it committed is the one that counts"
             )
-            child.signal_group(signal.SIGKILL)
+            launcher.kill(child)
             killed = True
         scan()
         if time.monotonic() >= next_reap:
             # exited orphans re-parented to us (a trainer running `cmd &`) are not left
             # as zombies until the pod's pid limit
             child.reap_orphans()
+            launcher.watch(child)
             next_reap = time.monotonic() + REAP_INTERVAL_SECONDS
         wait = scan_interval
         if time_left is not None and not killed:
