@@ -112,6 +112,13 @@ class HashingFileWriter:
     def writable(self) -> bool:
         return True
 
+    def tell(self) -> int:
+        # write-only from offset 0: the position is the bytes written (torch DCP asks for it)
+        return self.size
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def flush(self) -> None:
         self._file.flush()
 

@@ -13,7 +13,13 @@ from typing import Any
 from runner.checkpoint.counter_check import check_counters, payload_counters
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir
 from runner.checkpoint.listing import check_named_step, open_local
-from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_SEED_BIN, FORMAT_TORCH, Manifest
+from runner.checkpoint.manifest import (
+    FORMAT_CHUNKED,
+    FORMAT_DCP,
+    FORMAT_SEED_BIN,
+    FORMAT_TORCH,
+    Manifest,
+)
 from runner.checkpoint.payload import STATE_FILE, migrate_payload
 from runner.checkpoint.safe_load import not_loadable, torch_load
 from runner.checkpoint.verify import check_sizes, verify_dir
@@ -61,6 +67,14 @@ def load_state(
             raise SchemaError(
                 f"{source}: a seed-bin checkpoint holds flat arrays, not a train state; map it "
                 "onto a model with runner.checkpoint.formats.seedbin.seed_to_state"
+            )
+        elif manifest.format == FORMAT_DCP:
+            # its train state is split across ranks and DCP's files: only a template (a model
+            # and optimizer at the loading world size) puts it back together
+            raise SchemaError(
+                f"{source}: a torch-dcp checkpoint (written by {manifest.world_size} ranks) is "
+                "resumed by a training session at any world size; this command does not read "
+                "torch-dcp yet (its tensors: runner.checkpoint.formats.dcp.read_dcp_full)"
             )
         else:
             raise SchemaError(f"{source}: unknown checkpoint format {manifest.format!r}")

@@ -23,12 +23,15 @@ from runner.errors import IntegrityError, SchemaError
 # lowest schema that expresses it (`schema_for`), so a runner that reads only 1 and 2 still
 # reads every torch-state and seed-bin checkpoint, and refuses a torch-chunked one as a newer
 # runner's instead of misreading its format.
-SCHEMA_VERSION = "3"  # the newest this runner reads and writes
-SUPPORTED_SCHEMAS = ("1", "2", "3")
+# "4": `torch-dcp`, one checkpoint written by every rank of a torchrun job (DCP's files, one
+# train state, a file per rank); a runner that reads up to 3 refuses it as a newer runner's.
+SCHEMA_VERSION = "4"  # the newest this runner reads and writes
+SUPPORTED_SCHEMAS = ("1", "2", "3", "4")
 
 FORMAT_TORCH = "torch-state"  # one state.pt loadable with torch.load(weights_only=True)
 FORMAT_CHUNKED = "torch-chunked"  # index.json + skeleton.pt + N size-chunk files
 FORMAT_SEED_BIN = "seed-bin"  # step_NNNNNN.bin from the seed format
+FORMAT_DCP = "torch-dcp"  # .metadata + __R_I.distcp (torch.distributed.checkpoint) + rank files
 # What schemas 1 and 2 called FORMAT_CHUNKED (their layout: index schema "1", shard_NNNNN.pt).
 # In memory such a checkpoint is FORMAT_CHUNKED with schema "2", written back under this name.
 LEGACY_FORMAT_SHARDED = "torch-sharded"
@@ -39,7 +42,9 @@ _SCHEMA_2_FORMATS = (FORMAT_TORCH, FORMAT_SEED_BIN)
 
 def schema_for(format: str) -> str:
     """The schema a new checkpoint of `format` is written with: the lowest that names it."""
-    return "2" if format in _SCHEMA_2_FORMATS else SCHEMA_VERSION
+    if format in _SCHEMA_2_FORMATS:
+        return "2"
+    return SCHEMA_VERSION if format == FORMAT_DCP else "3"
 
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -139,13 +144,19 @@ class Manifest:
     def validate(self, *, source: str = "manifest.json") -> None:
         """The bounds of verification rule 1 (runner.checkpoint.verify): the schema, then the
         counters and fields, then the file list."""
-        if self.schema not in ("2", "3"):
-            raise SchemaError(f"{source}: schema {self.schema!r} is not '2' or '3'")
+        if self.schema not in ("2", "3", "4"):
+            raise SchemaError(f"{source}: schema {self.schema!r} is not '2', '3' or '4'")
         if self.schema != "2" and self.format in _SCHEMA_2_FORMATS:
             # only a writer can get here (reading states the lowest schema): never write it
             raise SchemaError(
                 f"{source}: schema {self.schema!r} for format {self.format!r}, which schema '2' "
                 "expresses: a manifest claims the lowest schema it needs"
+            )
+        if (self.schema == "4") != (self.format == FORMAT_DCP):
+            # schema 4 adds only torch-dcp: neither is written with the other's schema
+            raise SchemaError(
+                f"{source}: schema {self.schema!r} for format {self.format!r}: format "
+                f"{FORMAT_DCP!r} is schema '4' and schema '4' names no other new format"
             )
         self._validate_fields(source)
         self._validate_files(source)
@@ -300,8 +311,8 @@ def _lowest_schema(data: dict[str, Any], schema: str) -> dict[str, Any]:
     fmt = data.get("format")
     if schema == "2" and fmt == LEGACY_FORMAT_SHARDED:
         data["format"] = FORMAT_CHUNKED
-    elif schema == "2" and fmt == FORMAT_CHUNKED:
-        schema = SCHEMA_VERSION
+    elif fmt == FORMAT_CHUNKED and schema in ("2", "4"):
+        schema = "3"
     elif fmt in _SCHEMA_2_FORMATS:
         schema = "2"
     data["schema"] = schema

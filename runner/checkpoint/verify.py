@@ -27,6 +27,7 @@ from typing import Generic, TypeVar
 
 from runner.atomicity.files import hash_stream
 from runner.checkpoint.counter_check import check_payload_counters, check_remote_counters
+from runner.checkpoint.formats.dcp import rank_of_file
 from runner.checkpoint.layout import MANIFEST_NAME, checkpoint_key, parse_step_dir
 from runner.checkpoint.listing import (
     check_named_step,
@@ -35,7 +36,7 @@ from runner.checkpoint.listing import (
     read_manifest,
     read_manifest_dir,
 )
-from runner.checkpoint.manifest import FileEntry, Manifest, check_relative_path
+from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest, check_relative_path
 from runner.errors import IntegrityError, RunnerError, StorageNotFoundError
 from runner.storage.base import Storage
 from runner.storage.file import FileStorage
@@ -55,13 +56,24 @@ class CheckpointStatus:
     manifest: Manifest | None
 
 
+def _where(base: str, entry: FileEntry, manifest: Manifest) -> str:
+    """A listed file's location in a message; in a multi-rank checkpoint, also the rank that
+    wrote it (the one whose disk or save to suspect)."""
+    where = f"{base}/{entry.path}"
+    if manifest.format == FORMAT_DCP:
+        rank = rank_of_file(entry.path)
+        if rank is not None:
+            return f"{where} (written by rank {rank})"
+    return where
+
+
 def check_remote_sizes(storage: Storage, step: int) -> Manifest:
     """The cheap check of a stored checkpoint: its manifest (bounded, named step) and every
     file it lists present at the listed size; IntegrityError otherwise. No byte is hashed."""
     manifest = read_manifest(storage, step)
     base = checkpoint_key(step)
     for entry in manifest.files:
-        where = f"{storage.uri}/{base}/{entry.path}"
+        where = _where(f"{storage.uri}/{base}", entry, manifest)
         try:
             size = storage.head(f"{base}/{entry.path}").size
         except StorageNotFoundError as exc:
@@ -85,7 +97,7 @@ def verify_checkpoint(storage: Storage, step: int) -> Manifest:
     manifest = check_remote_sizes(storage, step)
     base = checkpoint_key(step)
     for entry in manifest.files:
-        where = f"{storage.uri}/{base}/{entry.path}"
+        where = _where(f"{storage.uri}/{base}", entry, manifest)
         try:
             with storage.open_read(f"{base}/{entry.path}") as stream:
                 _, sha256 = hash_stream(stream)
@@ -203,8 +215,8 @@ def verify_dir(
             size, sha256 = hash_stream(f)
         if size != entry.size:
             raise IntegrityError(
-                f"{step_dir / entry.path}: size {size} != {entry.size} in the manifest "
-                "(changed while it was being verified)"
+                f"{_where(str(step_dir), entry, manifest)}: size {size} != {entry.size} in the "
+                "manifest (changed while it was being verified)"
             )
         return sha256
 
@@ -213,7 +225,8 @@ def verify_dir(
         for (_, entry), sha256 in zip(checked, digests, strict=True):
             if sha256 != entry.sha256:
                 raise IntegrityError(
-                    f"{step_dir / entry.path}: sha256 mismatch (the file is corrupt)"
+                    f"{_where(str(step_dir), entry, manifest)}: sha256 mismatch (the file is "
+                    "corrupt)"
                 )
     if counters:
         check_payload_counters(step_dir, manifest)
@@ -231,6 +244,7 @@ def check_sizes(step_dir: Path, manifest: Manifest) -> list[tuple[Path, FileEntr
     for entry in manifest.files:
         rel = check_relative_path(entry.path, source=str(step_dir / MANIFEST_NAME))
         path = step_dir / rel
+        where = _where(str(step_dir), entry, manifest)
         current = step_dir
         st: os.stat_result | None = None
         for part in rel.split("/"):
@@ -238,15 +252,16 @@ def check_sizes(step_dir: Path, manifest: Manifest) -> list[tuple[Path, FileEntr
             try:
                 st = current.lstat()
             except (FileNotFoundError, NotADirectoryError) as exc:
-                raise IntegrityError(f"{path}: listed in the manifest but missing") from exc
+                raise IntegrityError(f"{where}: listed in the manifest but missing") from exc
             if stat.S_ISLNK(st.st_mode):
                 _refuse_symlink(current, root)
         assert st is not None
         if not stat.S_ISREG(st.st_mode):
-            raise IntegrityError(f"{path}: not a regular file; refusing to read it")
+            raise IntegrityError(f"{where}: not a regular file; refusing to read it")
         if st.st_size != entry.size:
             raise IntegrityError(
-                f"{path}: size {st.st_size} != {entry.size} in the manifest (truncated or replaced)"
+                f"{where}: size {st.st_size} != {entry.size} in the manifest (truncated or "
+                "replaced)"
             )
         paths.append((path, entry))
     return paths

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from runner.checkpoint.manifest import created_at_unix
+from runner.checkpoint.manifest import FORMAT_DCP, created_at_unix
 from runner.cli.formatting import echo_json, human_duration, human_size
 from runner.cli.options import STEP, json_output, store_timeout
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
@@ -81,6 +81,7 @@ def _ls_rows(storage: Storage, *, deep: bool, now: float) -> list[dict[str, Any]
                 age_seconds=_age(manifest.created_at, now=now),
                 format=manifest.format,
                 fingerprint=manifest.fingerprint,
+                world_size=manifest.world_size,
             )
         rows.append(row)
     return rows
@@ -99,6 +100,8 @@ def _echo_ls_table(rows: list[dict[str, Any]], *, deep: bool) -> None:
         )
         if row["error"] and not deep:
             click.echo(f"{'':>12}{row['error']}")
+        if row.get("world_size", 1) > 1:  # a line of its own: the columns stay as they were
+            click.echo(f"{'':>12}world size {row['world_size']}")
 
 
 def _verdict(exc: Exception) -> str:
@@ -210,6 +213,13 @@ def inspect(path: Path, as_json: bool) -> None:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         manifest = Manifest.from_json(raw, source=str(manifest_path))
         info = {"kind": "manifest", "path": str(manifest_path), **json.loads(manifest.to_json())}
+        if manifest.format == FORMAT_DCP:
+            from runner.checkpoint.formats.dcp import rank_totals
+
+            info["ranks"] = [
+                {"rank": rank, "files": count, "bytes": size}
+                for rank, count, size in rank_totals(manifest.files)
+            ]
     if as_json:
         echo_json(info)
         return
@@ -218,5 +228,10 @@ def inspect(path: Path, as_json: bool) -> None:
             click.echo("files:")
             for f in value:
                 click.echo(f"  {f['path']}  {f['size']} bytes  sha256 {f['sha256']}")
+        elif key == "ranks":
+            click.echo(f"ranks:\n  {'RANK':>6}  {'FILES':>6}  {'BYTES':>14}")
+            for r in value:
+                rank = "-" if r["rank"] is None else r["rank"]
+                click.echo(f"  {rank:>6}  {r['files']:>6}  {r['bytes']:>14}")
         else:
             click.echo(f"{key}: {value}")
