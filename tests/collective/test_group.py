@@ -114,6 +114,23 @@ def test_a_sigkilled_peer_makes_the_survivor_raise_peer_lost(
     assert "The last committed checkpoint stands" in done.stderr
 
 
+def test_every_survivor_of_four_ranks_raises_peer_lost(
+    gloo_world: Callable[..., GlooWorld],
+) -> None:
+    """Rank 2's neighbours see its connection close; the others see theirs exit in turn."""
+    world = gloo_world(f"{HERE}:_worker_until_lost", 4, "600")
+    _wait_ready(world)
+    killed_at = time.time()
+    world.kill(2, signal.SIGKILL)
+    for rank in (0, 1, 3):
+        done = world.wait_rank(rank, timeout=30)
+        assert done.returncode == 1, (rank, done.stderr)
+        assert f"rank {rank} of 4: a collective (agree) with the other ranks failed" in (
+            done.stderr
+        )
+        assert json.loads(done.stdout.splitlines()[-1])["lost_at"] - killed_at < 30
+
+
 def test_a_hung_peer_makes_the_survivor_raise_after_the_timeout(
     gloo_world: Callable[..., GlooWorld],
 ) -> None:
