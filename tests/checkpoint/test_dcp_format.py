@@ -22,7 +22,7 @@ from runner.checkpoint.formats.dcp import (
     save_dcp,
 )
 from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest, schema_for
-from runner.errors import CheckpointWriteError
+from runner.errors import CheckpointWriteError, SchemaError
 from tests.fixtures.dcp_ranks import (
     dcp_state,
     load_worker,
@@ -145,3 +145,32 @@ def test_schema_4_manifest_round_trips_and_names_dot_metadata() -> None:
     again = Manifest.from_json(raw)
     assert again == manifest
     assert again.to_json() == raw
+
+
+def test_schema_4_names_torch_dcp_only() -> None:
+    """A torch-dcp manifest claiming an older schema is refused as unreadable (those schemas
+    have no such format); a torch-chunked one claiming 4 is read as the schema 3 it needs."""
+    base = json.loads(
+        Manifest(
+            schema="4",
+            step=1,
+            samples_seen=8,
+            world_size=2,
+            run_id="r",
+            writer="w",
+            format=FORMAT_DCP,
+            fingerprint="",
+            files=[FileEntry(path=DCP_METADATA, size=1, sha256="a" * 64)],
+        ).to_json()
+    )
+    for old in ("2", "3"):
+        with pytest.raises(SchemaError, match=rf"schema '{old}' for format 'torch-dcp'"):
+            Manifest.from_json(json.dumps({**base, "schema": old}).encode())
+    chunked = Manifest.from_json(
+        json.dumps({**base, "format": "torch-chunked", "world_size": 1}).encode()
+    )
+    assert (chunked.schema, chunked.format) == ("3", "torch-chunked")
+    state = Manifest.from_json(json.dumps({**base, "format": "torch-state"}).encode())
+    assert state.schema == "2"  # as every torch-state manifest is stated
+    with pytest.raises(SchemaError, match=r"schema '4' for format 'torch-future'"):
+        Manifest.from_json(json.dumps({**base, "format": "torch-future"}).encode())
