@@ -92,10 +92,14 @@ def run_and_interrupt(cmd: list[str], *, run_dir: Path, at_step: int) -> int:
     return list_checkpoints(FileStorage(run_dir))[-1]
 
 
+def random_stop_step(steps: int) -> int:
+    # leave room after the signal: the job stops at the end of the step it is in
+    return random.Random(os.urandom(8)).randint(1, max(1, steps - 1 - steps // 4))
+
+
 def run_drill(*, work_dir: Path, steps: int, seed: int, stop_at: int | None) -> DrillReport:
     if stop_at is None:
-        # leave room after the signal: the job stops at the end of the step it is in
-        stop_at = random.Random(os.urandom(8)).randint(1, max(1, steps - 1 - steps // 4))
+        stop_at = random_stop_step(steps)
     ckpt_every = max(1, steps // 3)
     straight_dir, resumed_dir = work_dir / "straight", work_dir / "resumed"
     run_to_end(demo_command(straight_dir, steps=steps, seed=seed, ckpt_every=ckpt_every))
