@@ -22,7 +22,7 @@ from runner.checkpoint.formats.dcp import (
     save_dcp,
 )
 from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest, schema_for
-from runner.errors import CheckpointWriteError, SchemaError
+from runner.errors import CheckpointWriteError, PayloadNotLoadableError, SchemaError
 from tests.fixtures.dcp_ranks import (
     dcp_state,
     load_worker,
@@ -174,3 +174,9 @@ def test_schema_4_names_torch_dcp_only() -> None:
     assert state.schema == "2"  # as every torch-state manifest is stated
     with pytest.raises(SchemaError, match=r"schema '4' for format 'torch-future'"):
         Manifest.from_json(json.dumps({**base, "format": "torch-future"}).encode())
+
+
+def test_a_template_of_other_shapes_is_a_typed_error(tmp_path: Path) -> None:
+    save_dcp(tmp_path, {"model": {"w": torch.zeros(4, 8)}})
+    with pytest.raises(PayloadNotLoadableError, match=r"do not load into this state: rank 0: "):
+        load_dcp(tmp_path, {"model": {"w": torch.zeros(4, 9)}})

@@ -147,6 +147,7 @@ def save_dcp(
             state_dict, storage_writer=writer, process_group=process_group, no_dist=no_dist
         ),
         failed=lambda why: CheckpointWriteError(f"{stage_dir}: saving with DCP failed: {why}"),
+        group=process_group,
     )
     fsync_dir(stage_dir)
     return [
@@ -174,6 +175,7 @@ def load_dcp(
         failed=lambda why: PayloadNotLoadableError(
             f"{step_dir}: its verified DCP files do not load into this state: {why}"
         ),
+        group=process_group,
     )
 
 
@@ -196,7 +198,12 @@ def read_dcp_full(step_dir: Path) -> dict[str, Any]:
     return state
 
 
-def _collective(run: Callable[[bool], object], *, failed: Callable[[str], RunnerError]) -> None:
+def _collective(
+    run: Callable[[bool], object],
+    *,
+    failed: Callable[[str], RunnerError],
+    group: ProcessGroup | None = None,
+) -> None:
     """Run a DCP call, in one process (`no_dist`) when no process group is up (without DCP's
     warning that it assumed so), its CheckpointException (a BaseException, past every
     `except Exception`) raised as the typed error `failed(why)` from this rank's cause."""
@@ -212,5 +219,5 @@ def _collective(run: Callable[[bool], object], *, failed: Callable[[str], Runner
     except CheckpointException as exc:
         causes = {rank: cause for rank, (cause, _) in exc.failures.items()}
         why = "; ".join(f"rank {r}: {type(c).__name__}: {c}" for r, c in sorted(causes.items()))
-        here = dist.get_rank() if not no_dist else 0
+        here = 0 if no_dist else dist.get_rank(group)  # DCP keys failures by group rank
         raise failed(why) from causes.get(here, next(iter(causes.values()), exc))
