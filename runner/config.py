@@ -60,6 +60,10 @@ class RunConfig:
     store_timeout: float = DEFAULT_STORE_TIMEOUT_S
     """Seconds a store call (the s3:// mirror) keeps trying while the store fails or does not
     answer; a training run's mirror still tries its later uploads after one gave up."""
+    collective_timeout: float = 300.0
+    """Multi-rank runs: seconds a rank waits in a collective with the others (the step's stop
+    agreement, a save, the resume) before giving up with exit 1. Bounds how long the ranks
+    wait for one that hangs; one that dies is noticed at once. Longer than a save takes."""
     seed: int = 0
     fresh_start: bool = False
     """Only when checkpoints exist and none can be used: set them aside (kept) and start at
@@ -109,6 +113,10 @@ class RunConfig:
             raise ConfigError("--max-restarts must be >= 0")
         if self.restart_backoff < 0:
             raise ConfigError(f"--restart-backoff must be >= 0 (got {self.restart_backoff})")
+        if self.collective_timeout <= 0:
+            raise ConfigError(
+                f"--collective-timeout must be > 0 (got {_number(self.collective_timeout)})"
+            )
         if self.store_timeout < MIN_STORE_TIMEOUT_S:
             raise ConfigError(
                 f"--store-timeout must be >= {_number(MIN_STORE_TIMEOUT_S)} "
@@ -150,6 +158,7 @@ MAXIMA: dict[str, float] = {
     "max_restarts": 1_000,  # each restart doubles a backoff: 2.0**1000 is still a float
     "restart_backoff": 3_600.0,
     "store_timeout": MAX_STORE_TIMEOUT_S,
+    "collective_timeout": 86_400.0,
 }
 
 

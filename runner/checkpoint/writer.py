@@ -16,6 +16,7 @@ retention are modules of their own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -193,6 +194,15 @@ class CheckpointWriter:
                 removed.append(entry)
                 log.info("removed partial checkpoint leftover %s", entry)
         return removed
+
+    def staging(self, step: int) -> contextlib.AbstractContextManager[Staging]:
+        """A fresh temp dir for step `step`, removed unless `commit` renamed it into place
+        (runner.checkpoint.ranked: rank 0 stages, every rank writes into it)."""
+        return self._staging(step)
+
+    def commit(self, stage: Staging, *, meta: CheckpointMeta, format: str) -> CommittedCheckpoint:
+        """Write the manifest of `stage.files` last and publish the staged dir."""
+        return self._commit(stage, meta=meta, format=format)
 
     # -- internals --------------------------------------------------------------------------
 

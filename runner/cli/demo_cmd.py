@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -18,6 +19,7 @@ from runner.errors import IntegrityError
 
 @click.command()
 @options.run_options
+@options.collective_timeout
 @click.option("--batch-size", envvar="RUNNER_BATCH_SIZE", type=int, default=16, show_default=True)
 @click.option(
     "--device",
@@ -40,6 +42,14 @@ from runner.errors import IntegrityError
     help="Live progress line (default: when stderr is a terminal).",
 )
 @click.option(
+    "--sample-log",
+    envvar="RUNNER_SAMPLE_LOG",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Append each step's sample indices to this file as JSON lines (per rank under "
+    "torchrun: FILE.rank<R>), to audit that every sample is consumed once across resumes.",
+)
+@click.option(
     "--supervised-attempt",
     "attempt",
     envvar="RUNNER_ATTEMPT",
@@ -52,6 +62,7 @@ def demo(
     progress: bool | None,
     threads: int | None,
     attempt: str | None,
+    sample_log: Path | None,
     **kwargs: Any,
 ) -> None:
     """Train a small GPT-style character model; re-running the same command resumes.
@@ -62,11 +73,17 @@ def demo(
     from runner.runtime.rank import launch_context
 
     config = options.config_from_options(**kwargs)
-    # torchrun's variables, read here with every other setting (carried, not acted on yet)
+    # torchrun's variables, read here with every other setting
     rank = launch_context(os.environ)
     # The run dir's lock before torch is imported (a second demo on it exits 2 in a fraction
-    # of a second); TrainSession takes it again, sharing this process's hold.
-    with runlock.acquire(config.run_dir, command="runner demo"):
+    # of a second); TrainSession takes it again, sharing this process's hold. Under torchrun
+    # the node's local rank 0 holds it for the job's ranks.
+    lock = (
+        runlock.acquire(config.run_dir, command="runner demo")
+        if rank.acts_as_node_primary
+        else contextlib.nullcontext()
+    )
+    with lock:
         from runner.demo.job import run_demo
 
         # Under `runner run` the supervisor resolved this run dir first and logged what it
@@ -79,6 +96,7 @@ def demo(
             threads=threads,
             supervised=bool(attempt),
             rank=rank,
+            sample_log=sample_log,
         )
     sys.exit(code)
 
@@ -93,15 +111,58 @@ def demo(
     default=None,
     help="Keep the runs here (default: a temporary directory).",
 )
+@click.option(
+    "--ranks",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Ranks of each run (torchrun, gloo on CPU); SIGTERM goes to the last rank.",
+)
+@click.option(
+    "--resume-ranks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also resume the stopped checkpoint at this many ranks and audit its samples "
+    "(default with --ranks > 1: 1).",
+)
 @options.json_output
-def drill(steps: int, stop_at: int | None, seed: int, work_dir: str | None, as_json: bool) -> None:
+def drill(
+    steps: int,
+    stop_at: int | None,
+    seed: int,
+    work_dir: str | None,
+    ranks: int,
+    resume_ranks: int | None,
+    as_json: bool,
+) -> None:
     """Resume audit: straight run vs SIGTERM + resume in a fresh process, plus what each
-    omission (optimizer state, data position, fp32 weights, RNG) would have cost."""
+    omission (optimizer state, data position, fp32 weights, RNG) would have cost.
+
+    With --ranks N (or --resume-ranks): the runs on N ranks, and the stopped checkpoint
+    resumed at M ranks must end at the straight run's samples_seen, every sample consumed
+    exactly once. The omission table is single-process: skipped there."""
     from runner.demo.ablations import format_table, run_ablation_study
-    from runner.demo.drill import report_json, run_drill
+    from runner.demo.drill import random_stop_step, report_json, run_drill
 
     if steps < 2 or (stop_at is not None and not 0 < stop_at < steps):
         raise click.BadParameter("need --steps >= 2 and 0 < --stop-at < --steps")
+    if ranks > 1 or resume_ranks not in (None, ranks):
+        from runner.demo import drill_ranks
+
+        with tempfile.TemporaryDirectory(prefix="runner-drill-") as tmp:
+            ranked = drill_ranks.run_ranked_drill(
+                work_dir=Path(work_dir or tmp),
+                steps=steps,
+                seed=seed,
+                stop_at=random_stop_step(steps) if stop_at is None else stop_at,
+                ranks=ranks,
+                resume_ranks=resume_ranks or 1,
+            )
+        as_text = drill_ranks.report_text
+        click.echo(drill_ranks.report_json(ranked) if as_json else as_text(ranked))
+        if (failure := ranked.failure()) is not None:
+            raise IntegrityError(failure)
+        return
     with tempfile.TemporaryDirectory(prefix="runner-drill-") as tmp:
         report = run_drill(work_dir=Path(work_dir or tmp), steps=steps, seed=seed, stop_at=stop_at)
     results = run_ablation_study(steps=steps, stop_at=min(report.stopped_at, steps - 1), seed=seed)

@@ -124,6 +124,13 @@ grace_seconds = _opt(
     default=RunConfig.default("grace_seconds"),
     help="Budget from SIGTERM to exit for the final checkpoint and upload.",
 )
+collective_timeout = _opt(
+    "--collective-timeout",
+    env="RUNNER_COLLECTIVE_TIMEOUT",
+    type=FINITE_FLOAT,
+    default=RunConfig.default("collective_timeout"),
+    help="Under torchrun: seconds a rank waits for the others in a collective before exit 1.",
+)
 metrics_port = _opt(
     "--metrics-port",
     env="RUNNER_METRICS_PORT",

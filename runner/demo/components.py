@@ -7,11 +7,13 @@ generator from ``seed``, as a fresh process would, so two builds with one seed t
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from runner.demo.model import TinyGPT
 from runner.errors import ConfigError
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
+from runner.state.worldsize import move_scheduler_to_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +86,13 @@ class DemoComponents(ModuleTrainState):
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     sampler: ResumableSampler
+    parallel: torch.nn.Module | None = None
+    """The model wrapped in DistributedDataParallel when several ranks train it (forward and
+    backward go through it: it averages the gradients); `model` stays the plain module, so
+    state dicts and fingerprints are those of a single process."""
+    sample_log: TextIO | None = None
+    """Where each step's sample indices go, one JSON line per step (`runner demo
+    --sample-log`): the audit that every sample of an epoch is consumed once across a resume."""
 
     @property
     def done(self) -> bool:
@@ -90,22 +100,66 @@ class DemoComponents(ModuleTrainState):
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (inputs, targets) on the training device; advances the data position."""
-        inputs, targets = self.dataset.batch(self.sampler.next_batch())
+        epoch = self.sampler.epoch
+        indices = self.sampler.next_batch()
+        if self.sample_log is not None:
+            line = {
+                "step": self.counters.step + 1,
+                "rank": self.sampler.rank,
+                "epoch": epoch,
+                "indices": indices,
+            }
+            self.sample_log.write(json.dumps(line) + "\n")
+            self.sample_log.flush()
+        inputs, targets = self.dataset.batch(indices)
         return inputs.to(self.device), targets.to(self.device)
 
     def train_step(self) -> float:
         """Forward, backward, clip, AdamW update, LR schedule; returns this step's loss."""
         self.model.train()
         inputs, targets = self.next_batch()
-        loss = self.model.loss(inputs, targets)
+        if self.parallel is None:
+            loss = self.model.loss(inputs, targets)
+        else:
+            logits = self.parallel(inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, self.model.vocab_size), targets.reshape(-1)
+            )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        value = float(loss.item())
+        value = self._mean_over_ranks(loss.detach())
         self.advance(loss=value)
         return value
+
+    def _mean_over_ranks(self, loss: torch.Tensor) -> float:
+        """This step's loss averaged over the ranks (the global batch's loss), so every rank
+        records the same history."""
+        if self.parallel is None:
+            return float(loss.item())
+        import torch.distributed as dist
+
+        total = loss.clone()
+        dist.all_reduce(total)
+        return float(total.item()) / dist.get_world_size()
+
+    def rescale_schedule(self, total_steps: int) -> None:
+        """Stretch the LR schedule to a run of `total_steps` at this world size (the same
+        run length in samples: after a resume at another world size the step counts in other
+        units), then re-evaluate it at the current step."""
+        if total_steps == self.config.total_steps:
+            return
+        ratio = total_steps / self.config.total_steps
+        scaled = dataclasses.replace(
+            self.config,
+            total_steps=total_steps,
+            warmup_steps=max(1, round(self.config.warmup_steps * ratio)),
+        )
+        self.scheduler.lr_lambdas = [warmup_cosine(scaled)]
+        move_scheduler_to_step(self.scheduler, step=self.counters.step)
+        self.config = scaled
 
 
 def resolve_device(device: str) -> torch.device:
@@ -163,6 +217,15 @@ def build_demo(
     sampler = ResumableSampler(
         len(dataset), batch_size=batch_size, seed=seed, world_size=world_size, rank=rank
     )
+    parallel = None
+    if world_size > 1 and torch.distributed.is_initialized():
+        # every rank starts from the same weights (seeded alike; DDP also broadcasts rank 0's),
+        # then draws its own dropout masks. Without a process group the components of one
+        # rank are built alone (tests of the sharding and resume rules).
+        from torch.nn.parallel import DistributedDataParallel
+
+        parallel = DistributedDataParallel(model, device_ids=_device_ids(target))
+        torch.manual_seed(_rank_seed(seed, rank))
     return DemoComponents(
         config=config,
         device=target,
@@ -173,4 +236,13 @@ def build_demo(
         scheduler=scheduler,
         sampler=sampler,
         world_size=world_size,
+        parallel=parallel,
     )
+
+
+def _device_ids(device: torch.device) -> list[int] | None:
+    return [device.index or 0] if device.type == "cuda" else None
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    return (seed * 1_000_003 + rank) % (1 << 63)

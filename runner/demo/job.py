@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
 
 from runner.checkpoint.listing import local_step_dir, read_manifest_dir
 from runner.checkpoint.manifest import created_at_unix
 from runner.config import RunConfig
 from runner.demo.components import DemoComponents, build_demo
 from runner.demo.display import ProgressDisplay
+from runner.demo.launch import process_group
 from runner.errors import RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
@@ -30,10 +35,13 @@ def run_demo(
     threads: int | None = None,
     supervised: bool = False,
     rank: RankContext = SINGLE_PROCESS,
+    sample_log: Path | None = None,
 ) -> int:
     """Train the demo model to `config.steps`, resuming if possible; returns the exit code.
     `supervised`: run by `runner run`, whose resolution already logged every refusal.
-    `rank`: this process's place in a launch (torchrun), handed to the session."""
+    `rank`: this process's place in a launch (torchrun), handed to the session.
+    `sample_log`: append each step's sample indices there (`.rank<R>` added per rank when
+    several train)."""
     import torch
 
     if threads:
@@ -42,24 +50,70 @@ def run_demo(
     config.steps = total
     stop = StopController()
     restore_signals = install_signal_handlers(stop, grace_seconds=config.grace_seconds)
-    display = ProgressDisplay(total_steps=total, live=progress)
+    ranks = rank.world_size if rank.coordinated else 1
+    # one progress line per job: the other ranks' would interleave with it
+    if rank.acts_as_primary:
+        display = ProgressDisplay(total_steps=total, live=progress)
+    else:
+        display = ProgressDisplay(total_steps=total, live=False, every_seconds=float("inf"))
     try:
-        components = build_demo(
-            seed=config.seed, device=config.device, batch_size=batch_size, total_steps=total
-        )
-        with TrainSession(
-            config, state=components, stop=stop, refusals_reported=supervised, rank=rank
-        ) as session:
-            code = _train(session, components, display)
-        display.close()
-        print(
-            f"step {components.counters.step}/{total} fingerprint {components.fingerprint()}",
-            file=sys.stderr,
-        )
+        with process_group(rank, config.device) as device, _sample_log(sample_log, rank) as out:
+            components = build_demo(
+                seed=config.seed,
+                device=device,
+                batch_size=batch_size,
+                total_steps=total,
+                world_size=ranks,
+                rank=rank.rank if ranks > 1 else 0,
+            )
+            components.sample_log = out
+            with TrainSession(
+                config, state=components, stop=stop, refusals_reported=supervised, rank=rank
+            ) as session:
+                _fit_schedule(session, components, display)
+                code = _train(session, components, display)
+            display.close()
+            if rank.acts_as_primary:
+                print(
+                    f"step {components.counters.step}/{display.total_steps} fingerprint "
+                    f"{components.fingerprint()}",
+                    file=sys.stderr,
+                )
+        if ranks > 1:
+            log.info("rank %d of %d: exit %d", rank.rank, ranks, code)
         return code
     finally:
         stop.close()
         restore_signals()
+
+
+@contextlib.contextmanager
+def _sample_log(path: Path | None, rank: RankContext) -> Iterator[TextIO | None]:
+    if path is None:
+        yield None
+        return
+    if rank.coordinated and rank.world_size > 1:
+        path = path.with_name(f"{path.name}.rank{rank.rank}")
+    with open(path, "a", encoding="utf-8") as out:
+        yield out
+
+
+def _fit_schedule(
+    session: TrainSession, components: DemoComponents, display: ProgressDisplay
+) -> None:
+    """After a resume at another world size the run's end is another step (its length is
+    fixed in samples): the LR schedule and the progress line follow it."""
+    target = session.target_steps
+    if target is not None and target != components.config.total_steps:
+        log.info(
+            "run length fixed in samples (%s): it ends at step %d at this world size, "
+            "not %d; the LR schedule is stretched to match",
+            session.target_samples,
+            target,
+            components.config.total_steps,
+        )
+        components.rescale_schedule(target)
+        display.total_steps = target
 
 
 def _train(session: TrainSession, components: DemoComponents, display: ProgressDisplay) -> int:

@@ -1,8 +1,9 @@
 """Where this process stands in a multi-process launch (torchrun): rank 0 of 1 unless told.
 
-The run's single-writer work (metrics server, notice poller, mirror, loss log, retention, the
-seconds cadence) is meant for the primary rank alone. Each consumer asks `acts_as_primary` in
-one place, so issue 12 (how torchrun's ranks share a run) is a local decision there.
+The run's single-writer work (mirror, loss log, retention, the seconds cadence, the manifest)
+is global rank 0's; the node's work (the run-dir lock, the metrics endpoint, the notice
+poller) is each node's local rank 0's. Each consumer asks `acts_as_primary` or
+`acts_as_node_primary` in one place.
 
 The environment is read by the entry point (the CLI passes `os.environ` to `from_env`), never
 here: like every setting, the launch's variables come in through the one place that reads the
@@ -35,9 +36,9 @@ class RankContext:
     node_rank: int = 0
     """This node's rank (GROUP_RANK)."""
     coordinated: bool = False
-    """Whether the ranks share one run, so that ranks other than 0 leave the single-writer work
-    to rank 0. `from_env` leaves it False: until issue 12 every process runs as if it were
-    alone, whatever rank it was given (today's behaviour under torchrun)."""
+    """Whether the ranks share one run (they agree every step, save one checkpoint
+    together, and leave the single-writer work to rank 0). `from_env` sets it for a launch of
+    several ranks; a context built by hand is alone unless it says so."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -91,6 +92,7 @@ class RankContext:
             local_rank=local_rank,
             local_world_size=_or(local_world_size, world_size),
             node_rank=_or(values["GROUP_RANK"], 0),
+            coordinated=world_size > 1,
         )
 
     @property
@@ -106,8 +108,14 @@ class RankContext:
     @property
     def acts_as_primary(self) -> bool:
         """Whether this process does the run's single-writer work: the primary of coordinated
-        ranks, and every process that runs alone (issue 12 sets `coordinated`)."""
+        ranks, and every process that runs alone."""
         return self.is_primary or not self.coordinated
+
+    @property
+    def acts_as_node_primary(self) -> bool:
+        """Whether this process does its node's work (run-dir lock, metrics endpoint, notice
+        poller): local rank 0 of coordinated ranks, and every process that runs alone."""
+        return self.is_local_primary or not self.coordinated
 
 
 SINGLE_PROCESS = RankContext()
@@ -115,10 +123,10 @@ SINGLE_PROCESS = RankContext()
 
 
 def launch_context(environ: Mapping[str, str]) -> RankContext:
-    """The context of this process's launch, for the CLI. Until issue 12 coordinates ranks
-    nothing acts on it, so an environment that does not describe a valid rank (a stray or
-    malformed WORLD_SIZE/RANK left by another tool) is warned about and runs as rank 0 of 1,
-    as before the context existed, instead of ending the run with exit 2."""
+    """The context of this process's launch, for the CLI. An environment that does not
+    describe a valid rank (a stray or malformed WORLD_SIZE/RANK left by another tool; torchrun
+    always sets valid ones) is warned about and runs as rank 0 of 1 instead of ending the run
+    with exit 2."""
     try:
         return RankContext.from_env(environ)
     except ConfigError as exc:

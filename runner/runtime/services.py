@@ -48,13 +48,16 @@ def run_services(
     config: RunConfig, stop: StopController, *, rank: RankContext = SINGLE_PROCESS
 ) -> Iterator[Services]:
     """Metrics served on `--metrics-port` (0: not served), the notice poller (`--notices`)
-    and the mirror; all stopped on exit, the mirror after its queued uploads. Only a process
-    that `acts_as_primary` runs them; any other gets an unserved registry and no mirror."""
-    # issue 12: a non-primary rank learns of a notice from the primary (a broadcast stop)
-    if not rank.acts_as_primary:
+    and the mirror; all stopped on exit, the mirror after its queued uploads. Metrics and
+    notices run on each node's local rank 0 (`acts_as_node_primary`: one endpoint per node,
+    and a notice is a node's), the mirror on global rank 0 (`acts_as_primary`); any other
+    rank gets an unserved registry and no mirror, and learns of a stop at the next step's
+    agreement (runner.session.coordination)."""
+    if not rank.acts_as_node_primary:
         yield Services(metrics=RunnerMetrics(mirrored=False), mirror=None)
         return
-    metrics = RunnerMetrics(mirrored=config.mirror is not None)
+    # remote series only where the mirror runs (global rank 0)
+    metrics = RunnerMetrics(mirrored=config.mirror is not None and rank.acts_as_primary)
     with contextlib.ExitStack() as stack:
         server = maybe_serve_metrics(metrics, host=config.metrics_host, port=config.metrics_port)
         if server is not None:
@@ -67,7 +70,7 @@ def run_services(
         poller = start_notice_poller(config, stop, metrics)
         if poller is not None:
             stack.callback(poller.close)
-        mirror = make_mirror(config, metrics)
+        mirror = make_mirror(config, metrics) if rank.acts_as_primary else None
         if mirror is not None:
             stack.callback(close_mirror, mirror, stop, grace_seconds=config.grace_seconds)
         yield Services(metrics=metrics, mirror=mirror)

@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from runner.checkpoint.load import load_state
-from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.manifest import FORMAT_DCP, Manifest
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
-from runner.errors import RunnerError
+from runner.collective.group import SINGLE, Group
+from runner.errors import ConfigError, RunnerError
 from runner.state.counters import Counters
+from runner.state.ranked import RankedPayload
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,8 @@ class Snapshot:
     """One captured state on its way to disk: the payload, the manifest's fields and when its
     save began (monotonic; the duration a commit reports is counted from there)."""
 
-    payload: dict[str, Any]
+    payload: dict[str, Any] | RankedPayload
+    """A whole-state payload, or this rank's part of a multi-rank checkpoint."""
     meta: CheckpointMeta
     captured_at: float
 
@@ -98,7 +101,13 @@ class Snapshot:
 
 
 def capture(
-    state: TrainState, *, reason: str, copy: bool = False, captured_at: float | None = None
+    state: TrainState,
+    *,
+    reason: str,
+    copy: bool = False,
+    captured_at: float | None = None,
+    group: Group = SINGLE,
+    extra: dict[str, Any] | None = None,
 ) -> Snapshot:
     """Snapshot `state` at this step boundary; `captured_at` (monotonic) defaults to now.
 
@@ -109,11 +118,17 @@ def capture(
     if captured_at is None:
         captured_at = time.monotonic()
     counters = state.counters
-    payload = state.capture(copy=copy)
-    if isinstance(state, FingerprintsCaptured):
-        digest = state.fingerprint_captured(payload)
+    payload: dict[str, Any] | RankedPayload
+    if not group.single:
+        # each rank its part; the fingerprint of the full state is rank 0's to write
+        payload = _capture_ranked(state, group)
+        digest = state.fingerprint() if group.rank == 0 else ""
     else:
-        digest = state.fingerprint()  # a state of its own layout: its own digest, as before
+        payload = state.capture(copy=copy)
+        if isinstance(state, FingerprintsCaptured):
+            digest = state.fingerprint_captured(payload)
+        else:
+            digest = state.fingerprint()  # a state of its own layout: its own digest
     meta = CheckpointMeta(
         step=counters.step,
         samples_seen=counters.samples_seen,
@@ -121,9 +136,21 @@ def capture(
         epoch=counters.epoch,
         batch_in_epoch=counters.batch_in_epoch,
         fingerprint=digest,
-        extra={"reason": reason},
+        extra={"reason": reason, **(extra or {})},
     )
     return Snapshot(payload=payload, meta=meta, captured_at=captured_at)
+
+
+def _capture_ranked(state: TrainState, group: Group) -> RankedPayload:
+    capture_ranked = getattr(state, "capture_ranked", None)
+    if capture_ranked is None:
+        raise ConfigError(
+            f"{type(state).__name__} cannot be saved by several ranks: a multi-rank run "
+            "needs a TrainState with capture_ranked/load_ranked (ModuleTrainState has them)"
+        )
+    part = capture_ranked(rank=group.rank, world_size=group.world_size)
+    assert isinstance(part, RankedPayload)
+    return part
 
 
 class PendingSave(Protocol):
@@ -198,8 +225,10 @@ class Checkpointer:
         before_capture: Callable[[], None] | None = None,
         on_failure: Callable[[Exception, int], Exception] | None = None,
         saver: Callable[[Persist], Saver] = SyncSaver,
+        group: Group = SINGLE,
     ) -> None:
         self.writer = writer
+        self.group = group  # several ranks: every save and load is collective over it
         self._on_commit = on_commit
         self._retention = retention
         self._hand_off = hand_off
@@ -209,14 +238,18 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def save(self, state: TrainState, *, reason: str) -> PendingSave:
+    def save(
+        self, state: TrainState, *, reason: str, extra: dict[str, Any] | None = None
+    ) -> PendingSave:
         """Wait for the save in flight, capture `state` and hand the snapshot to the saver."""
         self.saver.wait_for_saving()
         started = time.monotonic()
         try:
             if self._before_capture is not None:
                 self._before_capture()
-            snapshot = capture(state, reason=reason, captured_at=started)
+            snapshot = capture(
+                state, reason=reason, captured_at=started, group=self.group, extra=extra
+            )
         except (OSError, RunnerError) as exc:
             self._failed_before_commit(exc, step=state.counters.step)
         return self.saver.save(snapshot)
@@ -228,7 +261,14 @@ class Checkpointer:
         """The saver's half: commit the snapshot, then bookkeeping, retention, mirror. Only
         the commit's failure is the save's; the callbacks' errors propagate unclassified."""
         try:
-            committed = self.writer.write_state(snapshot.payload, meta=snapshot.meta)
+            if isinstance(snapshot.payload, RankedPayload):
+                from runner.checkpoint.ranked import write_ranked
+
+                committed = write_ranked(
+                    self.writer, snapshot.payload, meta=snapshot.meta, group=self.group
+                )
+            else:
+                committed = self.writer.write_state(snapshot.payload, meta=snapshot.meta)
         except (OSError, RunnerError) as exc:
             self._failed_before_commit(exc, step=snapshot.step)
         if self._on_commit is not None:
@@ -258,8 +298,35 @@ class Checkpointer:
     @staticmethod
     def read(step_dir: Path, manifest: Manifest) -> dict[str, Any]:
         """Deserialise a checkpoint that was verified against `manifest` in this process
-        moments ago (the resume resolver did); touches no live object."""
+        moments ago (the resume resolver did); touches no live object. A multi-rank
+        (torch-dcp) checkpoint is not read here: its ranks load it together, into the live
+        tensors (`load_point`); an empty dict stands for it."""
+        if manifest.format == FORMAT_DCP:
+            return {}
         return load_state(step_dir, manifest=manifest, verified=True)
+
+    def load_point(
+        self,
+        state: TrainState,
+        step_dir: Path,
+        manifest: Manifest,
+        loaded: dict[str, Any],
+        *,
+        restore_rng: bool = True,
+    ) -> Counters:
+        """Load a checkpoint `read` gave `loaded` for into the live `state` (every rank of a
+        multi-rank run calls it at once)."""
+        if manifest.format == FORMAT_DCP:
+            from runner.checkpoint.ranked import LoadsRanked, load_ranked
+
+            if not isinstance(state, LoadsRanked):
+                raise ConfigError(
+                    f"{step_dir} was written by several ranks (torch-dcp) and "
+                    f"{type(state).__name__} has no load_ranked: resume it with a "
+                    "ModuleTrainState"
+                )
+            return load_ranked(state, step_dir, manifest, group=self.group, restore_rng=restore_rng)
+        return self.load_into(state, lambda _template: loaded, restore_rng=restore_rng)
 
     @staticmethod
     def load_into(

@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
+from runner.collective.group import SINGLE, Group
 from runner.config import RunConfig
 from runner.errors import (
     EXIT_FAILURE,
     CheckpointWriteError,
+    ConfigError,
     RunnerError,
 )
 from runner.metrics.registry import RunnerMetrics
@@ -45,6 +47,12 @@ from runner.runtime.lifecycle import ResumePoint, end_run, report_resume
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
 from runner.session.checkpointer import Checkpointer, Snapshot, TrainState
+from runner.session.coordination import (
+    PEER_STOP,
+    agree_on_step,
+    resolve_on_primary,
+    target_samples,
+)
 from runner.session.reporting import (
     durable_where,
     report_not_mirrored,
@@ -64,6 +72,29 @@ log = logging.getLogger(__name__)
 __all__ = ["TrainSession", "TrainState"]  # TrainState lives with the checkpointer
 
 
+def ranks_group(rank: RankContext, config: RunConfig) -> Group:
+    """The ranks' own channel for a coordinated launch of several ranks, else SINGLE."""
+    if not rank.coordinated or rank.world_size == 1:
+        return SINGLE
+    from runner.collective.group import dedicated_group
+
+    group = dedicated_group(timeout_s=config.collective_timeout)
+    if (group.rank, group.world_size) != (rank.rank, rank.world_size):
+        raise ConfigError(
+            f"torch.distributed has rank {group.rank} of {group.world_size}, the launch "
+            f"environment says {rank.rank} of {rank.world_size}: initialise the process group "
+            "from the launcher's environment (init_process_group() under torchrun)"
+        )
+    return group
+
+
+def _global_batch(state: TrainState) -> int | None:
+    """Samples one step consumes over every rank, when the state's sampler says."""
+    sampler = getattr(state, "sampler", None)
+    batch = getattr(sampler, "global_batch_size", None)
+    return batch if isinstance(batch, int) and batch > 0 else None
+
+
 class TrainSession:
     """Restore, periodic and on-demand saves, the final checkpoint, and the exit code."""
 
@@ -76,6 +107,7 @@ class TrainSession:
         services: Services | None = None,
         refusals_reported: bool = False,
         rank: RankContext = SINGLE_PROCESS,
+        group: Group | None = None,
     ) -> None:
         """Wires the session's parts in the order they must exist (lock, services, writer,
         checkpointer, policy, loss log), hence its length.
@@ -85,7 +117,10 @@ class TrainSession:
         variables); only a process that `acts_as_primary` runs services, writes the loss log,
         prunes and keeps the seconds cadence.
         `refusals_reported`: a supervisor (`runner run`) already resolved this run dir and
-        logged each checkpoint it refused; they are then logged at debug level only."""
+        logged each checkpoint it refused; they are then logged at debug level only.
+        `group`: the ranks' channel; by default a dedicated gloo group when `rank` is
+        coordinated over several ranks (torch.distributed initialised by the caller: every
+        rank constructs its session at the same point), else none (SINGLE)."""
         self.config = config
         self.rank = rank
         self._refusals_reported = refusals_reported
@@ -93,6 +128,7 @@ class TrainSession:
         self.stop = stop or StopController()
         self._owned = contextlib.ExitStack()
         services = self._lock_and_serve(services)
+        self.group = group if group is not None else ranks_group(rank, config)
         self.metrics: RunnerMetrics | None = services.metrics
         self.mirror: Mirror | None = services.mirror
         self.run_dir = Path(config.run_dir)
@@ -118,6 +154,7 @@ class TrainSession:
             # the loss history is at least as durable as the checkpoint (never raises)
             before_capture=self.loss_log.sync,
             on_failure=self._save_failed,
+            group=self.group,
         )
         self.last_checkpoint: CommittedCheckpoint | None = None
         self.resumed_checkpoint: CommittedCheckpoint | None = None
@@ -129,14 +166,25 @@ class TrainSession:
         self.startup_given_up = False
         # steps committed or resumed from by this process: retention need not re-hash them
         self._known_good: set[int] = set()
+        # several ranks: what they agreed at the last step boundary (should_stop reads it,
+        # never the local stop alone, so every rank leaves the loop after the same step)
+        self._agreed_stop = False
+        # the run's length in samples, when it is fixed by them (runner.session.coordination)
+        self.target_samples: int | None = None
+        # after a resume at another world size: the history's length when it was loaded
+        self._history_logged: int | None = None
 
     def _lock_and_serve(self, services: Services | None) -> Services:
         # One writer per run dir (runner/runtime/runlock.py), taken before the services start and
         # before anything is written there: a second process on it exits 2 naming this one.
         # Released in close(), last; by the kernel if the process dies.
-        self.run_lock = self._owned.enter_context(
-            runlock.acquire(Path(self.config.run_dir), command="TrainSession")
-        )
+        if self.rank.coordinated and not self.rank.is_local_primary:
+            # the node's local rank 0 holds it for the job's ranks on this run dir
+            self.run_lock: runlock.RunDirLock | None = None
+        else:
+            self.run_lock = self._owned.enter_context(
+                runlock.acquire(Path(self.config.run_dir), command="TrainSession")
+            )
         if services is None:
             services = self._owned.enter_context(
                 run_services(self.config, self.stop, rank=self.rank)
@@ -185,11 +233,25 @@ class TrainSession:
 
     @property
     def target_reached(self) -> bool:
+        if self.target_samples is not None:
+            return self.state.counters.samples_seen >= self.target_samples
         return self.config.steps is not None and self.step >= self.config.steps
 
     @property
+    def target_steps(self) -> int | None:
+        """The step the run ends at, at this world size (`--steps` unless the run's length
+        in samples was fixed at another one)."""
+        batch = _global_batch(self.state)
+        if self.target_samples is not None and batch:
+            return -(-self.target_samples // batch)
+        return self.config.steps
+
+    @property
     def should_stop(self) -> bool:
-        """True once the loop must end: the run is complete or a stop was requested."""
+        """True once the loop must end: the run is complete or a stop was requested (with
+        several ranks: a stop they agreed on at the last step boundary)."""
+        if not self.group.single:
+            return self.target_reached or self._agreed_stop
         return self.target_reached or self.stop.stop_requested
 
     # -- resume -------------------------------------------------------------------------------
@@ -201,12 +263,15 @@ class TrainSession:
         (runner.preemption.startup):
         then nothing is restored or trained, `should_stop` is true and `finish()` exits 75
         without saving or uploading anything; every checkpoint stays as it was."""
-        self.writer.cleanup_partial()
+        if self.rank.acts_as_primary:
+            self.writer.cleanup_partial()
         try:
             point = self._load_newest()
         except StartupInterrupted as exc:
             self._give_up_startup(exc)
+            self._agree_startup()
             return None
+        self._set_target(point)
         if point is None:
             # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
             report_resume(
@@ -215,9 +280,11 @@ class TrainSession:
                 loss_log=self.loss_log,
                 metrics=self.metrics,
                 mark_from_scratch=False,
+                announce=self.rank.acts_as_primary,
                 logger=log,
             )
             self.policy = self._policy(start_step=0)
+            self._agree_startup()
             return None
         counters = self._resume_from(point)
         if self.mirror is not None:
@@ -225,13 +292,39 @@ class TrainSession:
                 keep_mirrored(point, mirror=self.mirror, stop=self.stop, metrics=self.metrics)
             except StartupInterrupted as exc:
                 self._give_up_startup(exc)
+        self._agree_startup()
         return counters.step
+
+    def _agree_startup(self) -> None:
+        """Several ranks: start-up given up on one (rank 0's store work) is given up on all,
+        so that none trains alone."""
+        if self.group.single:
+            return
+        (given_up,) = self.group.agree((int(self.startup_given_up),))
+        if given_up and not self.startup_given_up:
+            self.startup_given_up = True
+            self.stop.request_stop(PEER_STOP)
+        self._agreed_stop = bool(given_up)
+
+    def _set_target(self, point: ResumePoint[dict[str, Any]] | None) -> None:
+        """Fix the run's length in samples when it matters: several ranks now, or a
+        checkpoint that carries one (written by a run that had several or changed size)."""
+        manifest = point.manifest if point is not None else None
+        carried = manifest is not None and "target_samples" in manifest.extra
+        resized = manifest is not None and manifest.world_size != self.state.counters.world_size
+        if self.group.single and not carried and not resized:
+            return  # a single-process run: --steps, as it always was
+        self.target_samples = target_samples(
+            steps=self.config.steps, global_batch=_global_batch(self.state), resumed=manifest
+        )
 
     def _resume_from(self, point: ResumePoint[dict[str, Any]]) -> Counters:
         """Load what the resolver's worker read into the live objects, on this thread
         (Checkpointer.read only read it); the run continues as the checkpoint's run."""
         try:
-            counters = self.checkpointer.load_into(self.state, lambda _template: point.loaded)
+            counters = self.checkpointer.load_point(
+                self.state, point.step_dir, point.manifest, point.loaded
+            )
         except RunnerError:
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("restore")
@@ -247,6 +340,8 @@ class TrainSession:
                 self.config.steps,
             )
         self.policy = self._policy(start_step=counters.step)
+        if point.manifest.world_size != counters.world_size:
+            self._history_logged = len(self.state.loss_history)
         report_resume(
             point,
             run_dir=self.run_dir,
@@ -254,6 +349,7 @@ class TrainSession:
             metrics=self.metrics,
             history=self.state.loss_history,
             counters=counters,
+            announce=self.rank.acts_as_primary,
             logger=log,
         )
         return counters
@@ -263,6 +359,11 @@ class TrainSession:
         report_startup_given_up(exc, resumed_from=self.resumed_from, ckpt_dir=self.ckpt_dir)
 
     def _load_newest(self) -> ResumePoint[dict[str, Any]] | None:
+        if not self.group.single:
+            return resolve_on_primary(self.group, self._read_newest, self.checkpointer.read)
+        return self._read_newest()
+
+    def _read_newest(self) -> ResumePoint[dict[str, Any]] | None:
         return read_newest(
             self.run_dir,
             stop=self.stop,
@@ -293,13 +394,26 @@ class TrainSession:
             # step) and finish() does not save it
             return True
         counters = self.state.counters
-        if self.state.loss_history and len(self.state.loss_history) >= counters.step:
-            self.loss_log.append(counters.step, self.state.loss_history[counters.step - 1])
+        self._log_loss(counters.step)
         if self.metrics is not None:
             self.metrics.train_step(counters.step)
+        if not self.group.single:
+            decision = agree_on_step(
+                self.group,
+                stop=self.stop,
+                policy=self.policy,
+                step=counters.step,
+                grace_seconds=self.config.grace_seconds,
+                clock=time.monotonic,
+            )
+            self._agreed_stop = decision.stop
+            reason = decision.save_reason
+        else:
+            reason = None
         if self.should_stop:
             return True  # the final checkpoint is written by finish()
-        reason = self.stop.take_checkpoint_request() or self.policy.due(counters.step)
+        if self.group.single:
+            reason = self.stop.take_checkpoint_request() or self.policy.due(counters.step)
         if reason is not None:
             try:
                 self.save(reason=reason)
@@ -310,13 +424,26 @@ class TrainSession:
                 log.error("%s; training continues", exc)
         return False
 
+    def _log_loss(self, step: int) -> None:
+        """The loss of the step just taken (the newest in the history), once: after a resume
+        at another world size the history's length no longer equals the (rescaled) step."""
+        history = self.state.loss_history
+        if self._history_logged is None:  # the history's index is the step
+            if history and len(history) >= step:
+                self.loss_log.append(step, history[step - 1])
+        elif len(history) > self._history_logged:
+            self.loss_log.append(step, history[-1])
+            self._history_logged = len(history)
+
     def save(self, *, reason: str) -> CommittedCheckpoint:
         """Commit a checkpoint of the current state now, and hand it to the mirror.
 
         The loss log's fsync, capture, commit, then _committed, _prune_local and _hand_off
         (runner.session.checkpointer; a failure before the commit goes through _save_failed);
         the sync saver has committed when result() returns."""
-        return self.checkpointer.save(self.state, reason=reason).result()
+        # the run's length in samples travels with its checkpoints once it is fixed
+        extra = {"target_samples": self.target_samples} if self.target_samples else None
+        return self.checkpointer.save(self.state, reason=reason, extra=extra).result()
 
     def _save_failed(self, exc: Exception, step: int) -> Exception:
         """A save of step `step` that failed before its commit: counted; an OSError becomes
@@ -338,13 +465,15 @@ class TrainSession:
             self.metrics.checkpoint_saved(
                 step=snapshot.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
             )
-        log.info(
-            "checkpoint step %d committed in %.2fs (%s, %.1f MB)",
-            snapshot.step,
-            duration,
-            snapshot.reason,
-            committed.manifest.total_bytes / 1e6,
-        )
+        if self.rank.acts_as_primary:
+            log.info(
+                "checkpoint step %d committed in %.2fs (%s, %.1f MB%s)",
+                snapshot.step,
+                duration,
+                snapshot.reason,
+                committed.manifest.total_bytes / 1e6,
+                f", {committed.manifest.world_size} ranks" if not self.group.single else "",
+            )
 
     def _hand_off(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
         # the final and stop checkpoints go up in finish(), within the deadline
@@ -376,7 +505,8 @@ class TrainSession:
         0 when the run reached its step target, 75 when it stopped on request (SIGTERM, a
         preemption notice) with the final checkpoint committed.
         """
-        stopped = self.stop.stop_requested and not self.target_reached
+        requested = self._agreed_stop if not self.group.single else self.stop.stop_requested
+        stopped = requested and not self.target_reached
         started = time.monotonic()
         ckpt = self._save_final(reason="stop" if stopped else "final")
         self.final_save_seconds = time.monotonic() - started

@@ -33,6 +33,7 @@ from runner.state import rng
 from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint as fingerprint_of
 from runner.state.fingerprint import fingerprint_payload
+from runner.state.ranked import RankedPayload, load_tensor_state, split_payload, tensor_state
 from runner.state.sampler import ResumableSampler
 from runner.state.validate import TRAIN_STATE_SCHEMA, check_restorable
 from runner.state.worldsize import (
@@ -110,6 +111,48 @@ class ModuleTrainState:
         as in `restore`: a refused checkpoint leaves the live objects as they were."""
         return self.restore(read(self.capture()), restore_rng=restore_rng)
 
+    def capture_ranked(self, *, rank: int, world_size: int) -> RankedPayload:
+        """This rank's part of a multi-rank checkpoint (runner.state.ranked): the live
+        tensors keyed by name for DCP, the shared and the per-rank parts."""
+        payload = self.capture()
+        return split_payload(
+            payload, tensor_state(self.model, self.optimizer), rank=rank, world_size=world_size
+        )
+
+    def load_ranked(
+        self,
+        read_tensors: Callable[[dict[str, Any]], None],
+        *,
+        shared: dict[str, Any],
+        own: dict[str, Any],
+        restore_rng: bool = True,
+    ) -> Counters:
+        """Load a multi-rank checkpoint: `shared` and this rank's `own` part (RNG and sampler;
+        with `rng` None when the checkpoint has no rank of this number: the RNG is left as
+        seeded), the tensors by `read_tensors`, which fills the template it gets in place
+        (DCP). The checks come first, as in `restore`."""
+        state = {**shared, "model": {}, "optimizer": {}, **own}
+
+        def load_modules(state: dict[str, Any]) -> None:
+            template = tensor_state(self.model, self.optimizer)
+            read_tensors(template)
+            load_tensor_state(self.model, self.optimizer, template)
+            if self.scheduler is not None and state.get("scheduler"):
+                self.scheduler.load_state_dict(state["scheduler"])
+
+        self.counters = restore_train_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            world_size=self.world_size,
+            restore_rng=restore_rng and own.get("rng") is not None,
+            load_modules=load_modules,
+        )
+        self.loss_history = [float(x) for x in state.get("loss_history", [])]
+        return self.counters
+
     def fingerprint(self) -> str:
         return fingerprint_of(self.model, self.optimizer)
 
@@ -160,12 +203,15 @@ def restore_train_state(
     sampler: ResumableSampler | None = None,
     world_size: int = 1,
     restore_rng: bool = True,
+    load_modules: Callable[[dict[str, Any]], None] | None = None,
 ) -> Counters:
     """Load `state` into the live objects and return the counters to continue from.
 
     Raises SchemaError for an unknown schema, IntegrityError for a malformed state and
     ConfigError when the state belongs to another model or data order. ``restore_rng=False``
     exists for the resume audit (`runner drill`), which measures what skipping it costs.
+    `load_modules` replaces the model/optimizer/scheduler load (a multi-rank checkpoint's
+    tensors come from DCP: ModuleTrainState.load_ranked).
     """
     saved_counters = check_restorable(
         state, model=model, sampler=sampler, world_size=world_size, restore_rng=restore_rng
@@ -173,7 +219,10 @@ def restore_train_state(
     if sampler is not None:
         # First among the loads: it refuses a state of another data order (ConfigError).
         _restore_sampler(state.get("sampler") or {}, sampler, saved_counters)
-    _load_modules(state, model=model, optimizer=optimizer, scheduler=scheduler)
+    if load_modules is not None:
+        load_modules(state)
+    else:
+        _load_modules(state, model=model, optimizer=optimizer, scheduler=scheduler)
     if restore_rng:
         restore_rng_state(state)
 

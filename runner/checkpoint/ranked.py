@@ -1,0 +1,159 @@
+"""The multi-rank commit protocol: every rank writes its part, global rank 0 commits them all.
+
+    rank 0      creates checkpoints/.tmp-step_NNNNNN-<pid>-<uuid>/ and broadcasts its name
+    every rank  DCP save of the tensors into it (runner.checkpoint.formats.dcp: each rank
+                hashes and fsyncs its own files as it writes them), then its own
+                rank_RRRRR.pt (RNG, sampler); rank 0 also train_state.pt (the shared part)
+    all_gather  each rank's file entries, or what went wrong on it
+    rank 0      manifest (every rank's files, world_size) written last, fsynced, renamed
+                into place: the one commit point; the outcome is broadcast
+    every rank  returns the committed checkpoint, or raises: nothing partial is visible
+
+Every rank takes part in every collective whatever failed locally, so a failure on one rank
+is reported on all of them instead of leaving the others waiting; a rank that dies leaves
+the others' collectives failing (PeerLostError) and the staging dir to `cleanup_partial`.
+The ranks of one node share its run dir (several nodes, one dir each: issue 14).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from runner.checkpoint.formats.dcp import TRAIN_STATE_FILE, load_dcp, rank_file_name, save_dcp
+from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest
+from runner.checkpoint.safe_load import torch_load
+from runner.checkpoint.staging import Staging
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.collective.group import Group
+from runner.errors import CheckpointWriteError, IntegrityError, RunnerError
+from runner.state.counters import Counters
+from runner.state.ranked import RankedPayload
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class LoadsRanked(Protocol):
+    """A TrainState that loads a multi-rank checkpoint (ModuleTrainState does)."""
+
+    def load_ranked(
+        self,
+        read_tensors: Callable[[dict[str, Any]], None],
+        *,
+        shared: dict[str, Any],
+        own: dict[str, Any],
+        restore_rng: bool = True,
+    ) -> Counters: ...
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """What went wrong on one rank, as every rank is told."""
+
+    rank: int
+    what: str
+
+
+def write_ranked(
+    writer: CheckpointWriter, part: RankedPayload, *, meta: CheckpointMeta, group: Group
+) -> CommittedCheckpoint:
+    """Commit one checkpoint of every rank's part; called by every rank at the same step."""
+    if group.rank == 0:
+        with writer.staging(meta.step) as stage:
+            group.broadcast(stage.path.name)
+            entries = _write_part(stage, part, group)
+            parts = group.all_gather(entries)
+            failed = [p for p in parts if isinstance(p, _Failed)]
+            if failed:
+                group.broadcast(failed)
+                raise _error(failed, rank=0)
+            stage.files = [entry for p in parts for entry in p]
+            try:
+                committed = writer.commit(stage, meta=meta, format=FORMAT_DCP)
+            except (OSError, RunnerError) as exc:
+                group.broadcast([_Failed(0, f"the commit failed: {exc}")])
+                raise
+            group.broadcast(committed)
+            return committed
+    name: str = group.broadcast("")
+    stage = Staging(writer.ckpt_dir / name)
+    group.all_gather(_write_part(stage, part, group))
+    outcome = group.broadcast(None)
+    if isinstance(outcome, list):
+        raise _error(outcome, rank=group.rank)
+    assert isinstance(outcome, CommittedCheckpoint)
+    return outcome
+
+
+def _write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEntry] | _Failed:
+    """This rank's files in the staging dir, or what failed (never raised: every rank must
+    reach the gather that follows)."""
+    try:
+        entries = save_dcp(stage.path, part.tensors, process_group=group.process_group)
+        own = Staging(stage.path)  # this rank's own list; the stage's is rank 0's manifest
+        entries.append(own.write_torch(rank_file_name(part.rank), part.own))
+        if part.rank == 0:
+            entries.append(own.write_torch(TRAIN_STATE_FILE, part.shared))
+    except (OSError, RunnerError, RuntimeError) as exc:
+        log.error("rank %d could not write its part of the checkpoint: %s", part.rank, exc)
+        return _Failed(part.rank, str(exc))
+    return entries
+
+
+def _error(failed: list[_Failed], *, rank: int) -> CheckpointWriteError:
+    what = "; ".join(f"rank {f.rank}: {f.what}" for f in failed)
+    mine = " (this one)" if any(f.rank == rank for f in failed) else ""
+    return CheckpointWriteError(
+        f"the checkpoint was not committed: {what}{mine}. Nothing partial is visible; the "
+        "previous checkpoint is intact"
+    )
+
+
+def load_ranked(
+    state: LoadsRanked,
+    step_dir: Path,
+    manifest: Manifest,
+    *,
+    group: Group,
+    restore_rng: bool = True,
+) -> Counters:
+    """Load a torch-dcp checkpoint that was verified against `manifest` into `state`, on
+    every rank at once (DCP reshards the tensors to this world size). A rank of a number the
+    checkpoint has no file for (the world grew) takes rank 0's sampler position, which is
+    counted in samples and the same for every rank, and keeps its RNG as seeded."""
+    source = str(step_dir)
+    listed = {entry.path for entry in manifest.files}
+    for needed in (TRAIN_STATE_FILE, rank_file_name(0)):
+        if needed not in listed:
+            raise IntegrityError(f"{source}: the manifest does not list {needed}")
+    shared = _load_dict(step_dir / TRAIN_STATE_FILE, source=source)
+    own_name = rank_file_name(group.rank)
+    if own_name in listed:
+        own = _load_dict(step_dir / own_name, source=source)
+    else:
+        own = {**_load_dict(step_dir / rank_file_name(0), source=source), "rng": None}
+        log.warning(
+            "rank %d: the checkpoint was written by %d ranks and has no RNG state of this "
+            "rank; its RNG stays as seeded (the data position is exact)",
+            group.rank,
+            manifest.world_size,
+        )
+    return state.load_ranked(
+        lambda template: load_dcp(step_dir, template, process_group=group.process_group),
+        shared=shared,
+        own=own,
+        restore_rng=restore_rng,
+    )
+
+
+def _load_dict(path: Path, *, source: str) -> dict[str, Any]:
+    loaded = torch_load(path, source=source, mmap=False)
+    if not isinstance(loaded, dict):
+        raise IntegrityError(f"{path}: holds a {type(loaded).__name__}, expected a dict")
+    return loaded

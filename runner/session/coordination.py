@@ -1,0 +1,153 @@
+"""How the ranks of one run agree (runner.collective.Group): on each step's decision, on the
+checkpoint they resume from, and on the run's length.
+
+Each step ends with one small all-reduce (MAX) of three flags: a stop seen by this rank
+(SIGTERM/SIGINT to it, a notice its node polled), a checkpoint request (SIGUSR1 to it), and
+a save due by the seconds cadence (decided on rank 0 alone: wall clocks differ). So every rank
+stops or saves after the same step whichever rank saw the request; a signal that arrives
+after a step's agreement counts at the next step. benchmarks/distributed.py measures it
+against the other mechanisms (a c10d store key, an all-reduce every k steps).
+
+The resume is resolved on global rank 0 (it verifies every file once, downloads from the
+mirror into the shared run dir) and its outcome broadcast; every rank then loads the chosen
+checkpoint itself. A refusal on rank 0 is raised on every rank with the same exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.writer import CommittedCheckpoint
+from runner.collective.group import Group
+from runner.errors import EXIT_PREEMPTED, RunnerError, StartupInterrupted
+from runner.preemption.policy import REASON_SECONDS, SavePolicy
+from runner.preemption.stop import StopController
+from runner.runtime.lifecycle import ResumePoint
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PEER_STOP = "stop requested on another rank"
+PEER_CHECKPOINT = "checkpoint requested on another rank"
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    stop: bool
+    save_reason: str | None
+
+
+def agree_on_step(
+    group: Group,
+    *,
+    stop: StopController,
+    policy: SavePolicy,
+    step: int,
+    grace_seconds: float,
+    clock: Callable[[], float],
+) -> StepDecision:
+    """The ranks' common decision after `step`: stop, save (and why, as this rank sees it)."""
+    asked = stop.take_checkpoint_request()
+    due = policy.due(step)
+    stopping, checkpoint, saving = group.agree(
+        (int(stop.stop_requested), int(asked is not None), int(due is not None))
+    )
+    if stopping and not stop.stop_requested:
+        # this rank's own deadline, from now: the same grace its own SIGTERM would give
+        stop.request_stop(PEER_STOP, deadline=clock() + grace_seconds)
+    reason = asked or due
+    if reason is None and (checkpoint or saving):
+        # the seconds cadence is the only one decided on one rank
+        reason = PEER_CHECKPOINT if checkpoint else REASON_SECONDS
+    return StepDecision(stop=bool(stopping), save_reason=None if stopping else reason)
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    step: int
+    path: Path
+    manifest: Manifest
+    from_mirror: bool
+
+
+@dataclass(frozen=True)
+class _Refused:
+    error: str
+    exit_code: int
+
+
+def resolve_on_primary(
+    group: Group,
+    resolve: Callable[[], ResumePoint[T] | None],
+    read: Callable[[Path, Manifest], T],
+) -> ResumePoint[T] | None:
+    """Rank 0's resume point, on every rank: rank 0 runs `resolve`, the others `read` the
+    checkpoint it chose. What rank 0 raises (a refusal, start-up given up) is raised there and
+    re-raised on the others as a RunnerError with the same exit code."""
+    if group.rank == 0:
+        outcome: _Chosen | _Refused | None
+        try:
+            point = resolve()
+        except RunnerError as exc:
+            group.broadcast(_Refused(str(exc), exc.exit_code))
+            raise
+        except BaseException:
+            group.broadcast(_Refused("rank 0 failed while choosing the checkpoint", 1))
+            raise
+        outcome = None
+        if point is not None:
+            outcome = _Chosen(point.step, point.step_dir, point.manifest, point.from_mirror)
+        group.broadcast(outcome)
+        return point
+    chosen = group.broadcast(None)
+    if chosen is None:
+        return None
+    if isinstance(chosen, _Refused):
+        if chosen.exit_code == EXIT_PREEMPTED:
+            raise StartupInterrupted(f"rank 0: {chosen.error}")
+        raise _PeerRefusal(chosen.error, chosen.exit_code)
+    checkpoint = CommittedCheckpoint(step=chosen.step, path=chosen.path, manifest=chosen.manifest)
+    return ResumePoint(
+        checkpoint=checkpoint,
+        loaded=read(chosen.path, chosen.manifest),
+        from_mirror=chosen.from_mirror,
+    )
+
+
+class _PeerRefusal(RunnerError):
+    """Rank 0 refused to resume (or gave up): the same outcome on this rank."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(f"rank 0: {message}")
+        self.exit_code = exit_code
+
+
+def target_samples(
+    *,
+    steps: int | None,
+    global_batch: int | None,
+    resumed: Manifest | None,
+) -> int | None:
+    """The run's length in samples, fixed when it started: carried by its checkpoints
+    (manifest extra `target_samples`), or `steps` x this run's global batch for a run that
+    starts now or whose checkpoints predate it (then they were written at one world size, so
+    their samples per step is the global batch they ran with). None without a step target
+    or a known global batch."""
+    if resumed is not None and isinstance(resumed.extra.get("target_samples"), int):
+        return int(resumed.extra["target_samples"])
+    if steps is None:
+        return None
+    if resumed is not None and resumed.step > 0 and resumed.samples_seen > 0:
+        return steps * (resumed.samples_seen // resumed.step)
+    return steps * global_batch if global_batch else None
+
+
+def broadcast_value(group: Group, value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    return group.broadcast(value if group.rank == 0 else None)
