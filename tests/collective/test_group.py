@@ -171,3 +171,32 @@ def test_the_torchrun_harness_finds_ranks_and_their_logs(
     assert rc == 1  # a worker failed: torchrun stops the others and exits 1
     assert "err of 1" in launch.rank_stderr(1)
     assert "exitcode  : 41" in launch.output()
+
+
+def test_the_torchrun_harness_signals_the_agent_which_forwards_to_every_rank(
+    torchrun: Callable[..., Torchrun], tmp_path: Path
+) -> None:
+    """What the runner builds on: SIGTERM to torchrun reaches every rank, and torchrun itself
+    then exits 1 whatever the ranks exit (here 75), so `runner run` cannot read the outcome
+    from torchrun's exit status alone."""
+    script = tmp_path / "term.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    print('rank', os.environ['RANK'], 'got SIGTERM', flush=True)\n"
+        "    sys.exit(75)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    launch = torchrun(2, [str(script)])
+    launch.worker_pids()
+    deadline = time.monotonic() + 30
+    while not all("up" in launch.rank_stdout(r) for r in (0, 1)):
+        assert time.monotonic() < deadline, launch.output()
+        time.sleep(0.05)
+    launch.signal(signal.SIGTERM)
+    assert launch.wait(timeout=60) == 1
+    for rank in (0, 1):
+        assert launch.rank_stdout(rank) == f"up\nrank {rank} got SIGTERM\n"
+    assert "Received 15 death signal, shutting down workers" in launch.output()
