@@ -44,7 +44,9 @@ class Group:
 
     @property
     def single(self) -> bool:
-        return self.process_group is None
+        """Alone in its world (SINGLE, or a torchrun launch of one rank): every decision is
+        this rank's own."""
+        return self.world_size == 1
 
     def agree(self, values: Sequence[int]) -> tuple[int, ...]:
         """Elementwise MAX of `values` over the ranks: one all-reduce of a small int64 tensor.
