@@ -27,6 +27,9 @@ from tests.fixtures.torchrun import children, environ_of
 # Long enough that a stop always lands mid-run; a stop ends it after one more step.
 STEPS = 2000
 CKPT_EVERY = 4
+# A run that is resumed to its end: its length is fixed when it starts (in samples, carried in
+# the checkpoint), so the resumed run ends here too. About 0.1 s a step on two CPU cores.
+SHORT_STEPS = 40
 
 
 @pytest.fixture
@@ -110,25 +113,29 @@ def _assert_final(s: Supervised, run_dir: Path, mirror: Path, after: int) -> int
 
 
 def _assert_resumes(started: list[Supervised], run_dir: Path, mirror: Path, final: int) -> None:
-    """The same command resumes from the final checkpoint and finishes a few steps later."""
-    again = _start(started, run_dir, mirror, steps=final + 2)
+    """The same command resumes from the final checkpoint and finishes the run."""
+    again = _start(started, run_dir, mirror, SHORT_STEPS)
     assert again.wait(300) == 0, again.err
     assert f"resume from {run_dir.absolute()}/checkpoints/step_{final:06d}" in again.err
-    assert list_checkpoints(FileStorage(run_dir))[-1] == final + 2
-    assert list_checkpoints(FileStorage(mirror))[-1] == final + 2
+    assert list_checkpoints(FileStorage(run_dir))[-1] == SHORT_STEPS
+    assert list_checkpoints(FileStorage(mirror))[-1] == SHORT_STEPS
 
 
 def test_sigterm_to_runner_run_stops_both_ranks_with_one_final_dcp_checkpoint(
     launch: list[Supervised], tmp_path: Path
 ) -> None:
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
-    s = _start(launch, run_dir, mirror, STEPS)
+    s = _start(launch, run_dir, mirror, SHORT_STEPS)
     _wait_committed(s, run_dir, CKPT_EVERY)
+    # a periodic checkpoint is mirrored while the ranks train, not only the final one
+    end = time.monotonic() + 60
+    while CKPT_EVERY not in list_checkpoints(FileStorage(mirror)):
+        assert s.proc.poll() is None, s.err
+        assert time.monotonic() < end, s.err
+        time.sleep(0.05)
     s.proc.send_signal(signal.SIGTERM)
     assert s.wait(180) == 75, s.err
     final = _assert_final(s, run_dir, mirror, after=CKPT_EVERY)
-    # periodic checkpoints were mirrored while the ranks trained, not only the final one
-    assert CKPT_EVERY in list_checkpoints(FileStorage(mirror))
     _assert_resumes(launch, run_dir, mirror, final)
 
 
