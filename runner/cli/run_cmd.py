@@ -29,7 +29,9 @@ def run(command: tuple[str, ...], **params: Any) -> None:
     RUNNER_RESUME_STEP, RUNNER_ATTEMPT and RUNNER_RUN_LOCK_TOKEN (README: "Supervise any
     trainer"). Seed-format step_NNNNNN.bin files it writes into RUNNER_CKPT_DIR (temp name,
     then rename) are checked, committed with a manifest, mirrored and handed back on resume.
-    SIGTERM/SIGINT/SIGUSR1 are forwarded to its process group. An exit other than 0, 2, 3
+    SIGTERM/SIGINT/SIGUSR1 are forwarded to its process group; under torchrun (`runner run
+    -- torchrun ...`) SIGUSR1 goes to each worker instead (torchrun would die of it), and
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT defaults to the grace period. An exit other than 0, 2, 3
     and 75, or a death by a signal we did not send, is restarted with exponential backoff up
     to --max-restarts. Every process the trainer leaves behind is terminated before the next
     attempt or the exit, whatever its process group or session.
@@ -38,7 +40,8 @@ def run(command: tuple[str, ...], **params: Any) -> None:
     never one still open for writing.
 
     Exit codes: 0 the trainer finished; 75 stopped by a signal or a preemption notice with a
-    final checkpoint committed; 1 stopped without one (e.g. killed at the end of the grace
+    final checkpoint committed (also when torchrun exits 1 for workers that exited 75); 1
+    stopped without one (e.g. killed at the end of the grace
     period), or it kept crashing; 2 / 3 the trainer exited 2 / 3 (not restarted); 3 also
     when its newest checkpoint was rejected (kept as .rejected) and no later one was
     committed.

@@ -2,7 +2,8 @@
 
 The trainer runs in its own process group with the environment of
 runner/supervisor/environment.py (the README lists it). SIGTERM / SIGINT / SIGUSR1 (and cloud
-preemption notices, as a SIGTERM) are forwarded to the group (runner/supervisor/watch.py);
+preemption notices, as a SIGTERM) are forwarded to the group (runner/supervisor/watch.py;
+torchrun's workers run in sessions of their own: runner/supervisor/torchrun.py);
 seed `.bin` files it writes are checked, committed with a manifest, mirrored and handed back
 on the next start.
 
