@@ -147,7 +147,7 @@ def drill(
     if steps < 2 or (stop_at is not None and not 0 < stop_at < steps):
         raise click.BadParameter("need --steps >= 2 and 0 < --stop-at < --steps")
     if ranks > 1 or resume_ranks not in (None, ranks):
-        from runner.demo import drill_ranks
+        from runner.demo import drill_ranks, drill_ranks_report
 
         with tempfile.TemporaryDirectory(prefix="runner-drill-") as tmp:
             ranked = drill_ranks.run_ranked_drill(
@@ -158,8 +158,8 @@ def drill(
                 ranks=ranks,
                 resume_ranks=resume_ranks or 1,
             )
-        as_text = drill_ranks.report_text
-        click.echo(drill_ranks.report_json(ranked) if as_json else as_text(ranked))
+        show = drill_ranks_report.report_json if as_json else drill_ranks_report.report_text
+        click.echo(show(ranked))
         if (failure := ranked.failure()) is not None:
             raise IntegrityError(failure)
         return

@@ -3,16 +3,15 @@
 A straight N-rank run; the same job with SIGTERM to one rank (the last) and a resume at N
 ranks, which must match the straight run exactly; and the stopped checkpoint resumed at M
 ranks in a copy of its run dir, which must end at the straight run's samples_seen having
-consumed every sample exactly once (audited from the demo's per-rank sample logs). The
-fingerprints of different world sizes are not compared: the gradients' float sums are
-reduced in another order, so the weights differ in their last bits.
+consumed every sample exactly once (audited from the demo's per-rank sample logs:
+drill_ranks_report). The fingerprints of different world sizes are not compared: the
+gradients' float sums are reduced in another order, so the weights differ in their last bits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import re
 import shutil
@@ -23,76 +22,23 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.sidecars import LossLog
 from runner.demo.drill import SIGTERM_TIMEOUT_SECONDS, DrillReport, outcome
+from runner.demo.drill_ranks_report import (
+    RankedDrillReport,
+    Rescaled,
+    Sample,
+    consumed,
+    read_samples,
+)
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.storage.file import FileStorage
 
 BATCH_SIZE = 4  # per rank: small, so a launch's time is mostly torch's start
 RUN_TIMEOUT_SECONDS = 600.0
-FINGERPRINT_NOTE = (
-    "not compared with the straight run's: at another world size the gradients' float sums "
-    "are reduced in another order"
-)
-ABLATIONS_SKIPPED = "the omission table is single-process: run `runner drill` without --ranks"
-
-Sample = tuple[int, int]  # (epoch, dataset index)
 _EXIT = re.compile(r"rank (\d+) of (\d+): exit (-?\d+)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rescaled:
-    """The stopped checkpoint resumed at another world size, to the end of the run."""
-
-    world_size: int
-    resumed_at_step: int
-    final_step: int
-    samples_seen: int
-    fingerprint: str
-    duplicated: int
-    missing: int
-    unexpected: int
-
-    @property
-    def exactly_once(self) -> bool:
-        return self.duplicated == self.missing == self.unexpected == 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankedDrillReport:
-    ranks: int
-    base: DrillReport  # the straight and the N-rank resumed runs
-    straight_samples: int
-    stopped_samples: int
-    rescaled: Rescaled
-
-    @property
-    def samples_equal(self) -> bool:
-        return self.rescaled.samples_seen == self.straight_samples
-
-    @property
-    def exact(self) -> bool:
-        return self.base.exact
-
-    def failure(self) -> str | None:
-        """Why the audit failed (the message of the IntegrityError), None when it passed."""
-        if not self.base.exact:
-            return "the resumed run differs from the straight run: resume is not exact"
-        if not self.samples_equal:
-            return (
-                f"resumed at {self.rescaled.world_size} ranks the run ended at samples_seen "
-                f"{self.rescaled.samples_seen}, the straight run at {self.straight_samples}"
-            )
-        if not self.rescaled.exactly_once:
-            return (
-                f"resumed at {self.rescaled.world_size} ranks, samples were not consumed "
-                f"exactly once: {self.rescaled.duplicated} twice, {self.rescaled.missing} "
-                f"skipped, {self.rescaled.unexpected} not in the straight run"
-            )
-        return None
 
 
 def _demo_args(run_dir: Path, sample_log: Path, *, steps: int, seed: int, every: int) -> list[str]:
@@ -215,24 +161,11 @@ def _stop_last_rank_at(job: _Job, step: int) -> int:
     return list_checkpoints(FileStorage(job.run_dir))[-1]
 
 
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    """Every line the demo's --sample-log wrote at `path` (one process) and `path.rank<R>`."""
-    lines = []
-    for file in [path, *sorted(path.parent.glob(f"{path.name}.rank*"))]:
-        if file.exists():
-            lines += [json.loads(line) for line in file.read_text().splitlines() if line]
-    return lines
-
-
-def _consumed(lines: list[dict[str, Any]]) -> Counter[Sample]:
-    return Counter((line["epoch"], index) for line in lines for index in line["indices"])
-
-
 def _rescale(stopped: _Job, straight: Counter[Sample], job: _Job) -> Rescaled:
     """Audit `job`: the stopped run's checkpoint resumed at another world size, finished."""
     job.expect_exits(EXIT_OK)
     lines = read_samples(job.samples)
-    consumed = _consumed(read_samples(stopped.samples)) + _consumed(lines)
+    taken = consumed(read_samples(stopped.samples)) + consumed(lines)
     storage = FileStorage(job.run_dir)
     final = read_manifest(storage, list_checkpoints(storage)[-1])
     return Rescaled(
@@ -241,9 +174,9 @@ def _rescale(stopped: _Job, straight: Counter[Sample], job: _Job) -> Rescaled:
         final_step=final.step,
         samples_seen=final.samples_seen,
         fingerprint=final.fingerprint,
-        duplicated=sum(n - 1 for n in consumed.values() if n > 1),
-        missing=len(straight.keys() - consumed.keys()),
-        unexpected=len(consumed.keys() - straight.keys()),
+        duplicated=sum(n - 1 for n in taken.values() if n > 1),
+        missing=len(straight.keys() - taken.keys()),
+        unexpected=len(taken.keys() - straight.keys()),
     )
 
 
@@ -269,7 +202,7 @@ def run_ranked_drill(
         jobs.append(rescaled)
         straight.expect_exits(EXIT_OK)
         resumed.expect_exits(EXIT_OK)
-        audit = _rescale(stopped, _consumed(read_samples(straight.samples)), rescaled)
+        audit = _rescale(stopped, consumed(read_samples(straight.samples)), rescaled)
     finally:
         for job in jobs:
             job.kill()
@@ -286,72 +219,3 @@ def run_ranked_drill(
         stopped_samples=stopped_samples,
         rescaled=audit,
     )
-
-
-def report_json(report: RankedDrillReport) -> str:
-    base, rescaled = report.base, report.rescaled
-    return json.dumps(
-        {
-            "steps": base.steps,
-            "world_sizes": {
-                "straight": report.ranks,
-                "resumed": report.ranks,
-                "rescaled": rescaled.world_size,
-            },
-            "stopped_at": base.stopped_at,
-            "stopped_rank": report.ranks - 1,
-            "exact": base.exact,
-            "straight_fingerprint": base.straight.fingerprint,
-            "resumed_fingerprint": base.resumed.fingerprint,
-            "rescaled": {
-                "world_size": rescaled.world_size,
-                "resumed_at_step": rescaled.resumed_at_step,
-                "final_step": rescaled.final_step,
-                "stopped_samples_seen": report.stopped_samples,
-                "samples_seen": rescaled.samples_seen,
-                "straight_samples_seen": report.straight_samples,
-                "samples_equal": report.samples_equal,
-                "exactly_once": rescaled.exactly_once,
-                "duplicated": rescaled.duplicated,
-                "missing": rescaled.missing,
-                "unexpected": rescaled.unexpected,
-                "fingerprint": rescaled.fingerprint,
-                "fingerprint_note": FINGERPRINT_NOTE,
-            },
-            "ablations": [],
-            "ablations_skipped": ABLATIONS_SKIPPED,
-        },
-        indent=2,
-    )
-
-
-def report_text(report: RankedDrillReport) -> str:
-    base, rescaled, n, m = report.base, report.rescaled, report.ranks, report.rescaled.world_size
-    verdict = "IDENTICAL" if base.exact else "DIFFERENT"
-    samples = "EQUAL" if report.samples_equal else "DIFFERENT"
-    once = (
-        "every sample consumed exactly once"
-        if rescaled.exactly_once
-        else f"{rescaled.duplicated} samples twice, {rescaled.missing} skipped, "
-        f"{rescaled.unexpected} not in the straight run"
-    )
-    return (
-        f"straight {base.steps} steps on {_ranks(n)} vs SIGTERM to rank {n - 1} at step "
-        f"{base.stopped_at} + resume on {_ranks(n)}: {verdict}\n"
-        f"  fingerprint straight {base.straight.fingerprint[:16]}  "
-        f"resumed {base.resumed.fingerprint[:16]}\n"
-        f"  loss history: {base.loss_verdict()}\n"
-        f"the step {base.stopped_at} checkpoint ({_ranks(n)}) resumed on {_ranks(m)}: "
-        f"step {base.stopped_at} -> {rescaled.resumed_at_step}, ended at step "
-        f"{rescaled.final_step}\n"
-        f"  samples_seen {rescaled.samples_seen} vs straight {report.straight_samples}: "
-        f"{samples}\n"
-        f"  samples across the change ({report.stopped_samples} on {n}, the rest on {m}): "
-        f"{once}\n"
-        f"  fingerprint {rescaled.fingerprint[:16]}: {FINGERPRINT_NOTE}\n\n"
-        f"{ABLATIONS_SKIPPED[0].upper()}{ABLATIONS_SKIPPED[1:]} (skipped for --ranks {n})."
-    )
-
-
-def _ranks(n: int) -> str:
-    return "1 rank" if n == 1 else f"{n} ranks"

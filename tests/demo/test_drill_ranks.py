@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runner.demo.drill_ranks import ABLATIONS_SKIPPED, FINGERPRINT_NOTE, read_samples
+from runner.demo.drill_ranks_report import ABLATIONS_SKIPPED, FINGERPRINT_NOTE, read_samples
 
 STEPS, STOP_AT, BATCH = 24, 9, 4
 
