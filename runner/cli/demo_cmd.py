@@ -50,6 +50,15 @@ from runner.errors import IntegrityError
     "torchrun: FILE.rank<R>), to audit that every sample is consumed once across resumes.",
 )
 @click.option(
+    "--parallel",
+    envvar="RUNNER_PARALLEL",
+    type=click.Choice(("ddp", "fsdp")),  # components.PARALLEL_MODES (importing it imports torch)
+    default="ddp",
+    show_default=True,
+    help="How several ranks (torchrun) train: ddp, or fsdp (FSDP2 fully_shard: each rank "
+    "holds a shard of the model and optimizer state). Ignored for one process.",
+)
+@click.option(
     "--supervised-attempt",
     "attempt",
     envvar="RUNNER_ATTEMPT",
@@ -63,6 +72,7 @@ def demo(
     threads: int | None,
     attempt: str | None,
     sample_log: Path | None,
+    parallel: str,
     **kwargs: Any,
 ) -> None:
     """Train a small GPT-style character model; re-running the same command resumes.
@@ -97,6 +107,7 @@ def demo(
             supervised=bool(attempt),
             rank=rank,
             sample_log=sample_log,
+            parallel=parallel,
         )
     sys.exit(code)
 

@@ -22,9 +22,16 @@ from runner.demo.corpus import DEFAULT_CHARS, generate_corpus
 from runner.demo.data import CharVocab, WindowDataset
 from runner.demo.model import TinyGPT
 from runner.errors import ConfigError
+from runner.state.counters import Counters
+from runner.state.fingerprint import full_fingerprint
+from runner.state.ranked import is_sharded, load_full_state
 from runner.state.sampler import ResumableSampler
-from runner.state.train_state import ModuleTrainState
+from runner.state.train_state import ModuleTrainState, restore_train_state
 from runner.state.worldsize import move_scheduler_to_step
+
+PARALLEL_MODES = ("ddp", "fsdp")
+"""How several ranks train the demo (`runner demo --parallel`): DDP (every rank holds the whole
+model and optimizer) or FSDP2 (`fully_shard`: each rank holds a shard of both)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,9 +94,11 @@ class DemoComponents(ModuleTrainState):
     scheduler: torch.optim.lr_scheduler.LambdaLR
     sampler: ResumableSampler
     parallel: torch.nn.Module | None = None
-    """The model wrapped in DistributedDataParallel when several ranks train it (forward and
-    backward go through it: it averages the gradients); `model` stays the plain module, so
-    state dicts and fingerprints are those of a single process."""
+    """What forward and backward go through when several ranks train: with DDP the model
+    wrapped in DistributedDataParallel (it averages the gradients; `model` stays the plain
+    module, so state dicts are those of a single process); with FSDP2 the sharded `model`
+    itself (`fully_shard`: DTensor parameters, each rank holds a shard of them and of the
+    optimizer state)."""
     sample_log: TextIO | None = None
     """Where each step's sample indices go, one JSON line per step (`runner demo
     --sample-log`): the audit that every sample of an epoch is consumed once across a resume."""
@@ -145,6 +154,35 @@ class DemoComponents(ModuleTrainState):
         dist.all_reduce(total)
         return float(total.item()) / dist.get_world_size()
 
+    def full_fingerprint(self, *, primary: bool = True) -> str:
+        """The fingerprint of the full state on the primary rank ("" on the others). Every
+        rank calls it at the same point: a sharded model is gathered (collective)."""
+        return full_fingerprint(self.model, self.optimizer, primary=primary)
+
+    def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
+        """`ModuleTrainState.restore`; a sharded model loads the whole state by each rank
+        keeping its shard (a whole-file checkpoint of one process, at several FSDP ranks)."""
+        if not is_sharded(self.model):
+            return super().restore(state, restore_rng=restore_rng)
+
+        def load_modules(state: dict[str, Any]) -> None:
+            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            if state.get("scheduler"):
+                self.scheduler.load_state_dict(state["scheduler"])
+
+        self.counters = restore_train_state(
+            state,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            world_size=self.world_size,
+            restore_rng=restore_rng,
+            load_modules=load_modules,
+        )
+        self.loss_history = [float(x) for x in state.get("loss_history", [])]
+        return self.counters
+
     def rescale_schedule(self, total_steps: int) -> None:
         """Stretch the LR schedule to a run of `total_steps` at this world size (the same
         run length in samples: after a resume at another world size the step counts in other
@@ -190,9 +228,14 @@ def build_demo(
     total_steps: int,
     world_size: int = 1,
     rank: int = 0,
+    parallel: str = "ddp",
     **overrides: Any,
 ) -> DemoComponents:
-    """Fresh demo components. `overrides` are `DemoConfig` fields (e.g. ``max_samples=112``)."""
+    """Fresh demo components. `overrides` are `DemoConfig` fields (e.g. ``max_samples=112``).
+    `parallel`: how several ranks (an initialised process group) train, "ddp" or "fsdp"
+    (FSDP2: each transformer block sharded, then the root); ignored for one process."""
+    if parallel not in PARALLEL_MODES:
+        raise ConfigError(f"unknown parallel mode {parallel!r}: use one of {PARALLEL_MODES}")
     try:
         config = DemoConfig(seed=seed, batch_size=batch_size, total_steps=total_steps, **overrides)
     except TypeError as exc:
@@ -210,6 +253,9 @@ def build_demo(
         n_layers=config.n_layers,
         dropout=config.dropout,
     ).to(target)
+    distributed = world_size > 1 and torch.distributed.is_initialized()
+    if distributed and parallel == "fsdp":
+        _fully_shard(model)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=config.weight_decay
     )
@@ -217,14 +263,18 @@ def build_demo(
     sampler = ResumableSampler(
         len(dataset), batch_size=batch_size, seed=seed, world_size=world_size, rank=rank
     )
-    parallel = None
-    if world_size > 1 and torch.distributed.is_initialized():
-        # every rank starts from the same weights (seeded alike; DDP also broadcasts rank 0's),
-        # then draws its own dropout masks. Without a process group the components of one
-        # rank are built alone (tests of the sharding and resume rules).
-        from torch.nn.parallel import DistributedDataParallel
+    wrapped: torch.nn.Module | None = None
+    if distributed:
+        # every rank starts from the same weights (seeded alike; DDP also broadcasts rank 0's,
+        # fully_shard keeps each rank's shard of them), then draws its own dropout masks.
+        # Without a process group the components of one rank are built alone (tests of the
+        # sharding and resume rules).
+        if parallel == "fsdp":
+            wrapped = model
+        else:
+            from torch.nn.parallel import DistributedDataParallel
 
-        parallel = DistributedDataParallel(model, device_ids=_device_ids(target))
+            wrapped = DistributedDataParallel(model, device_ids=_device_ids(target))
         torch.manual_seed(_rank_seed(seed, rank))
     return DemoComponents(
         config=config,
@@ -236,8 +286,19 @@ def build_demo(
         scheduler=scheduler,
         sampler=sampler,
         world_size=world_size,
-        parallel=parallel,
+        parallel=wrapped,
     )
+
+
+def _fully_shard(model: TinyGPT) -> None:
+    """FSDP2 over the default process group: each block its own unit (its parameters are
+    gathered for its forward and backward only), then the root for the rest (embeddings,
+    final norm, head). The module stays `model`, its parameters become DTensors."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
 
 
 def _device_ids(device: torch.device) -> list[int] | None:

@@ -36,12 +36,14 @@ def run_demo(
     supervised: bool = False,
     rank: RankContext = SINGLE_PROCESS,
     sample_log: Path | None = None,
+    parallel: str = "ddp",
 ) -> int:
     """Train the demo model to `config.steps`, resuming if possible; returns the exit code.
     `supervised`: run by `runner run`, whose resolution already logged every refusal.
     `rank`: this process's place in a launch (torchrun), handed to the session.
     `sample_log`: append each step's sample indices there (`.rank<R>` added per rank when
-    several train)."""
+    several train).
+    `parallel`: "ddp" or "fsdp" (FSDP2), how several ranks train (ignored for one process)."""
     import torch
 
     if threads:
@@ -65,6 +67,7 @@ def run_demo(
                 total_steps=total,
                 world_size=ranks,
                 rank=rank.rank if ranks > 1 else 0,
+                parallel=parallel,
             )
             components.sample_log = out
             with TrainSession(
@@ -73,10 +76,11 @@ def run_demo(
                 _fit_schedule(session, components, display)
                 code = _train(session, components, display)
             display.close()
+            # on every rank: a sharded (fsdp) state is gathered to be fingerprinted
+            digest = components.full_fingerprint(primary=rank.acts_as_primary)
             if rank.acts_as_primary:
                 print(
-                    f"step {components.counters.step}/{display.total_steps} fingerprint "
-                    f"{components.fingerprint()}",
+                    f"step {components.counters.step}/{display.total_steps} fingerprint {digest}",
                     file=sys.stderr,
                 )
         if ranks > 1:

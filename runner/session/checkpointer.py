@@ -81,6 +81,15 @@ class FingerprintsCaptured(Protocol):
     def fingerprint_captured(self, captured: dict[str, Any]) -> str: ...
 
 
+@runtime_checkable
+class FingerprintsFull(Protocol):
+    """A TrainState whose state may be sharded across ranks (the demo under FSDP2): every
+    rank calls `full_fingerprint` at once (gathering the full state is collective); the
+    primary gets the digest of the full state, the others ""."""
+
+    def full_fingerprint(self, *, primary: bool = True) -> str: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Snapshot:
     """One captured state on its way to disk: the payload, the manifest's fields and when its
@@ -122,7 +131,10 @@ def capture(
     if not group.single:
         # each rank its part; the fingerprint of the full state is rank 0's to write
         payload = _capture_ranked(state, group)
-        digest = state.fingerprint() if group.rank == 0 else ""
+        if isinstance(state, FingerprintsFull):
+            digest = state.full_fingerprint(primary=group.rank == 0)  # every rank: collective
+        else:
+            digest = state.fingerprint() if group.rank == 0 else ""
     else:
         payload = state.capture(copy=copy)
         if isinstance(state, FingerprintsCaptured):

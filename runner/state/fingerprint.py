@@ -14,6 +14,9 @@ Non-tensor values (a float ``step`` in some optimizers) contribute their type an
 Hyperparameters (``param_groups``: lr, betas, ...) are not tensors of the state and are left
 out: a state converted from the seed ``.bin`` format, which carries none, fingerprints the same.
 
+A model sharded across ranks (FSDP2) is fingerprinted by `full_fingerprint`: the same
+digest, of its gathered full state.
+
 The digest depends only on values, never on memory addresses or process, so fingerprints can be
 compared across processes, machines and devices (tensors are hashed from their CPU copy).
 """
@@ -34,6 +37,49 @@ def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     return fingerprint_state(
         model.state_dict(), None if optimizer is None else optimizer.state_dict()
     )
+
+
+def full_fingerprint(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, primary: bool = True
+) -> str:
+    """`fingerprint` of the full (unsharded) state, on the `primary` rank; "" on the others.
+
+    A model sharded by FSDP2 (DTensor parameters) is gathered first, which is collective:
+    every rank of its group calls this at the same point, and rank 0, where the gathered state
+    lands, hashes it (the primary is rank 0). A model that is whole on every rank (one process,
+    DDP) is hashed by the primary alone: the others skip the work. Equal values give the digest
+    of `fingerprint` at any world size and sharding."""
+    from runner.state.ranked import full_tensor_state, is_sharded
+
+    if not is_sharded(model):
+        return fingerprint(model, optimizer) if primary else ""
+    model_state, optimizer_state = full_tensor_state(model, optimizer)
+    if not primary:
+        return ""
+    if not model_state:
+        raise RuntimeError("full_fingerprint: the gathered state is on rank 0, not this primary")
+    return fingerprint_state(model_state, by_param_index(optimizer_state))
+
+
+def by_param_index(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (`get_state_dict`'s) keyed by index
+    instead, as `optimizer.state_dict()` keys it: a parameter's position across the param
+    groups, whose "params" list the names in the optimizer's order (for the usual optimizer
+    over `model.parameters()`, the `model.named_parameters()` order)."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in optimizer_state.get("param_groups", []):
+        first = len(index)
+        for name in group["params"]:
+            if name in index:
+                raise ValueError(f"parameter {name!r} is in two param groups")
+            index[name] = len(index)
+        groups.append({**group, "params": list(range(first, len(index)))})
+    per_param: Mapping[str, Any] = optimizer_state.get("state", {})
+    unknown = sorted(set(per_param) - set(index))
+    if unknown:
+        raise ValueError(f"optimizer state of {unknown} that no param group lists")
+    return {"state": {index[name]: per_param[name] for name in per_param}, "param_groups": groups}
 
 
 def fingerprint_state(

@@ -44,6 +44,67 @@ def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any parameter of `model` is a DTensor (FSDP2's `fully_shard`): each rank then
+    holds a shard, and the full state exists only once gathered (`full_tensor_state`)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(param, DTensor) for param in model.parameters())
+
+
+def full_tensor_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full (unsharded) model and optimizer state dicts, keyed by parameter name, on CPU.
+
+    Collective for a sharded model: every rank of its group calls it at the same point. The
+    gathered state lands on rank 0 only (cpu_offload); every other rank gets two empty dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+) -> None:
+    """Load a whole state (`model.state_dict()`, `optimizer.state_dict()` of one process, as a
+    whole-file checkpoint holds it) into a sharded model and its optimizer: each rank keeps its
+    shard of every tensor. Collective; every rank passes the same full state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=by_param_name(optimizer_state, model),
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def by_param_name(optimizer_state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """`optimizer.state_dict()` (parameters by index) keyed by parameter name instead, the
+    way `get_state_dict` keys it: index i is the i-th parameter of `model.named_parameters()`,
+    the optimizer's order for the usual optimizer over `model.parameters()`."""
+    names = [name for name, _ in model.named_parameters()]
+
+    def name_of(index: Any) -> str:
+        position = int(index)
+        if not 0 <= position < len(names):
+            raise ValueError(f"optimizer state of parameter {index}: the model has {len(names)}")
+        return names[position]
+
+    groups = [
+        {**group, "params": [name_of(index) for index in group["params"]]}
+        for group in optimizer_state.get("param_groups", [])
+    ]
+    state = {name_of(index): entry for index, entry in optimizer_state.get("state", {}).items()}
+    return {"state": state, "param_groups": groups}
+
+
 def load_tensor_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]
 ) -> None:
