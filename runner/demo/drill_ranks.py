@@ -19,20 +19,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.sidecars import LossLog
 from runner.demo.drill import SIGTERM_TIMEOUT_SECONDS, DrillReport, outcome
-from runner.demo.drill_ranks_report import (
-    RankedDrillReport,
-    Rescaled,
-    Sample,
-    consumed,
-    read_samples,
-)
+from runner.demo.drill_ranks_report import RankedDrillReport, Rescaled, audit_samples, read_samples
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.storage.file import FileStorage
 
@@ -161,22 +154,19 @@ def _stop_last_rank_at(job: _Job, step: int) -> int:
     return list_checkpoints(FileStorage(job.run_dir))[-1]
 
 
-def _rescale(stopped: _Job, straight: Counter[Sample], job: _Job) -> Rescaled:
+def _rescale(straight: _Job, stopped: _Job, job: _Job) -> Rescaled:
     """Audit `job`: the stopped run's checkpoint resumed at another world size, finished."""
     job.expect_exits(EXIT_OK)
-    lines = read_samples(job.samples)
-    taken = consumed(read_samples(stopped.samples)) + consumed(lines)
     storage = FileStorage(job.run_dir)
     final = read_manifest(storage, list_checkpoints(storage)[-1])
+    first = min((line["step"] for line in read_samples(job.samples)), default=final.step + 1)
     return Rescaled(
         world_size=job.world_size,
-        resumed_at_step=min((line["step"] for line in lines), default=final.step + 1) - 1,
+        resumed_at_step=first - 1,
         final_step=final.step,
         samples_seen=final.samples_seen,
         fingerprint=final.fingerprint,
-        duplicated=sum(n - 1 for n in taken.values() if n > 1),
-        missing=len(straight.keys() - taken.keys()),
-        unexpected=len(taken.keys() - straight.keys()),
+        samples=audit_samples(straight=straight.samples, before=stopped.samples, after=job.samples),
     )
 
 
@@ -202,7 +192,7 @@ def run_ranked_drill(
         jobs.append(rescaled)
         straight.expect_exits(EXIT_OK)
         resumed.expect_exits(EXIT_OK)
-        audit = _rescale(stopped, consumed(read_samples(straight.samples)), rescaled)
+        audit = _rescale(straight, stopped, rescaled)
     finally:
         for job in jobs:
             job.kill()

@@ -30,6 +30,14 @@ class Rescaled:
     final_step: int
     samples_seen: int
     fingerprint: str
+    samples: SampleAudit
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleAudit:
+    """Samples consumed across a change of world size, against the straight run's: counted
+    twice, never consumed (skipped), consumed but not by the straight run."""
+
     duplicated: int
     missing: int
     unexpected: int
@@ -57,14 +65,13 @@ class RankedDrillReport:
             return "the resumed run differs from the straight run: resume is not exact"
         if not self.samples_equal:
             return (
-                f"resumed at {self.rescaled.world_size} ranks the run ended at samples_seen "
+                f"resumed on {_ranks(self.rescaled.world_size)} the run ended at samples_seen "
                 f"{self.rescaled.samples_seen}, the straight run at {self.straight_samples}"
             )
-        if not self.rescaled.exactly_once:
+        if not self.rescaled.samples.exactly_once:
             return (
-                f"resumed at {self.rescaled.world_size} ranks, samples were not consumed "
-                f"exactly once: {self.rescaled.duplicated} twice, {self.rescaled.missing} "
-                f"skipped, {self.rescaled.unexpected} not in the straight run"
+                f"resumed on {_ranks(self.rescaled.world_size)}, samples were not consumed "
+                f"exactly once: {_audit_text(self.rescaled.samples)}"
             )
         return None
 
@@ -80,6 +87,18 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
 
 def consumed(lines: list[dict[str, Any]]) -> Counter[Sample]:
     return Counter((line["epoch"], index) for line in lines for index in line["indices"])
+
+
+def audit_samples(*, straight: Path, before: Path, after: Path) -> SampleAudit:
+    """The sample logs of a run stopped (`before`) and resumed at another world size
+    (`after`), against the straight run's: each (epoch, index) it consumed, once."""
+    reference = consumed(read_samples(straight))
+    taken = consumed(read_samples(before)) + consumed(read_samples(after))
+    return SampleAudit(
+        duplicated=sum(n - 1 for n in taken.values() if n > 1),
+        missing=len(reference.keys() - taken.keys()),
+        unexpected=len(taken.keys() - reference.keys()),
+    )
 
 
 def report_json(report: RankedDrillReport) -> str:
@@ -105,10 +124,10 @@ def report_json(report: RankedDrillReport) -> str:
                 "samples_seen": rescaled.samples_seen,
                 "straight_samples_seen": report.straight_samples,
                 "samples_equal": report.samples_equal,
-                "exactly_once": rescaled.exactly_once,
-                "duplicated": rescaled.duplicated,
-                "missing": rescaled.missing,
-                "unexpected": rescaled.unexpected,
+                "exactly_once": rescaled.samples.exactly_once,
+                "duplicated": rescaled.samples.duplicated,
+                "missing": rescaled.samples.missing,
+                "unexpected": rescaled.samples.unexpected,
                 "fingerprint": rescaled.fingerprint,
                 "fingerprint_note": FINGERPRINT_NOTE,
             },
@@ -123,12 +142,7 @@ def report_text(report: RankedDrillReport) -> str:
     base, rescaled, n, m = report.base, report.rescaled, report.ranks, report.rescaled.world_size
     verdict = "IDENTICAL" if base.exact else "DIFFERENT"
     samples = "EQUAL" if report.samples_equal else "DIFFERENT"
-    once = (
-        "every sample consumed exactly once"
-        if rescaled.exactly_once
-        else f"{rescaled.duplicated} samples twice, {rescaled.missing} skipped, "
-        f"{rescaled.unexpected} not in the straight run"
-    )
+    once = _audit_text(rescaled.samples)
     return (
         f"straight {base.steps} steps on {_ranks(n)} vs SIGTERM to rank {n - 1} at step "
         f"{base.stopped_at} + resume on {_ranks(n)}: {verdict}\n"
@@ -150,3 +164,12 @@ def report_text(report: RankedDrillReport) -> str:
 
 def _ranks(n: int) -> str:
     return "1 rank" if n == 1 else f"{n} ranks"
+
+
+def _audit_text(audit: SampleAudit) -> str:
+    if audit.exactly_once:
+        return "every sample consumed exactly once"
+    return (
+        f"{audit.duplicated} samples twice, {audit.missing} skipped, "
+        f"{audit.unexpected} not in the straight run"
+    )
