@@ -54,11 +54,16 @@ def test_sigterm_to_torchrun_then_same_command_is_exact(
     wait_until(lambda: bool(checkpoint_steps(run_dir)), lambda: first.proc.poll() is None,
                "periodic checkpoint")  # fmt: skip
     first.signal(signal.SIGTERM)
-    first.wait(90)
+    # torchrun's agent re-raises the SIGTERM it forwarded (SignalException): exit 1
+    assert first.wait(90) == 1, first.output()
     assert rank_exits(first) == {0: 75, 1: 75}, first.output()
     stopped = max(logged_steps(run_dir))
     assert EVERY <= stopped < STEPS
     assert checkpoint_steps(run_dir)[-1] == stopped
+    assert [step for _, step in stops(first.rank_stderr(0) + first.rank_stderr(1))] == [
+        stopped,
+        stopped,
+    ]
 
     again = torchrun(2, demo_args(run_dir))
     assert_finished_like(again, run_dir, straight_2rank)
@@ -100,7 +105,7 @@ def test_mirror_alone_resumes_exactly(
     wait_until(lambda: bool(checkpoint_steps(run_dir)), lambda: first.proc.poll() is None,
                "periodic checkpoint")  # fmt: skip
     first.signal(signal.SIGTERM)
-    first.wait(90)
+    assert first.wait(90) == 1, first.output()
     assert rank_exits(first) == {0: 75, 1: 75}, first.output()
     stopped = max(logged_steps(run_dir))
     assert EVERY <= stopped < STEPS
