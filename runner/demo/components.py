@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import random
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from runner.state.ranked import is_sharded, load_full_state
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState, restore_train_state
 from runner.state.worldsize import move_scheduler_to_step
+
+log = logging.getLogger(__name__)
 
 PARALLEL_MODES = ("ddp", "fsdp")
 """How several ranks train the demo (`runner demo --parallel`): DDP (every rank holds the whole
@@ -299,6 +302,11 @@ def _fully_shard(model: TinyGPT) -> None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    log.info(
+        "fully_shard: %d blocks and the root over %d ranks",
+        len(model.blocks),
+        torch.distributed.get_world_size(),
+    )
 
 
 def _device_ids(device: torch.device) -> list[int] | None:
