@@ -1,8 +1,9 @@
 """Rule 4 of verification (runner.checkpoint.verify): the counters inside the payload agree
 with the manifest.
 
-step, world_size, samples_seen, epoch, batch_in_epoch for torch-state / torch-chunked (read
-from state.pt or the chunked skeleton), the header's step for seed-bin. Only counters both
+step, world_size, samples_seen, epoch, batch_in_epoch for torch-state / torch-chunked /
+torch-dcp (read from state.pt, the chunked skeleton or the multi-rank train_state.pt), the
+header's step for seed-bin. Only counters both
 sides really store are compared (a migrated v1 manifest or payload lacks some).
 
 Reading the counters is cheap locally: `torch.load(weights_only=True, mmap=True)` touches the
@@ -26,6 +27,7 @@ from runner.checkpoint.layout import ATTEMPT_FIELD, parse_seed_bin
 from runner.checkpoint.listing import open_local
 from runner.checkpoint.manifest import (
     FORMAT_CHUNKED,
+    FORMAT_DCP,
     FORMAT_SEED_BIN,
     FORMAT_TORCH,
     FileEntry,
@@ -45,6 +47,8 @@ INDEX_FILE = "index.json"
 # A remote (non-local) torch-state payload at most this big is read a second time after
 # hashing so its counters can be checked; larger ones are checked on download and on load.
 REMOTE_COUNTER_CHECK_MAX_BYTES = 64 * 1024 * 1024
+# = runner.checkpoint.formats.dcp.TRAIN_STATE_FILE: a multi-rank checkpoint's shared part
+DCP_TRAIN_STATE_FILE = "train_state.pt"
 # A chunked index or skeleton is metadata; one bigger than this is not a spot-runner one.
 MAX_SHARD_METADATA_BYTES = 256 * 1024 * 1024
 _COUNTERS = ("step", "world_size", "samples_seen", "epoch", "batch_in_epoch")
@@ -153,6 +157,10 @@ def check_payload_counters(step_dir: Path, manifest: Manifest) -> None:
         skeleton = _chunked_skeleton(manifest, index_raw, prefix=prefix, source=source)
         raw = load_local(step_dir, skeleton.path)
         check_counters(manifest, payload_counters(raw, source=source), source=source)
+    elif manifest.format == FORMAT_DCP:
+        entry = _listed(manifest, prefix + DCP_TRAIN_STATE_FILE, source=source)
+        raw = load_local(step_dir, entry.path)
+        check_counters(manifest, payload_counters(raw, source=source), source=source)
     elif manifest.format == FORMAT_SEED_BIN:
         for entry in _seed_files(manifest):
             with open_local(step_dir, entry.path) as f:
@@ -198,6 +206,12 @@ def check_remote_counters(storage: Storage, base: str, manifest: Manifest) -> No
         if data is None:
             raise IntegrityError(f"{source}: the skeleton is too big to be a spot-runner one")
         raw = torch_load_bytes(data, source=f"{source}/{skeleton.path}")
+    elif manifest.format == FORMAT_DCP:
+        shared = _listed(manifest, prefix + DCP_TRAIN_STATE_FILE, source=source)
+        data = fetch(shared, MAX_SHARD_METADATA_BYTES)
+        if data is None:
+            raise IntegrityError(f"{source}: {shared.path} is too big to be a spot-runner one")
+        raw = torch_load_bytes(data, source=f"{source}/{shared.path}")
     elif manifest.format == FORMAT_SEED_BIN:
         for entry in _seed_files(manifest):
             with storage.open_read(f"{base}/{entry.path}") as stream:

@@ -53,6 +53,7 @@ from runner.session.coordination import (
     resolve_on_primary,
     target_samples,
 )
+from runner.session.rebase import rebase
 from runner.session.reporting import (
     durable_where,
     report_not_mirrored,
@@ -293,6 +294,16 @@ class TrainSession:
             except StartupInterrupted as exc:
                 self._give_up_startup(exc)
         self._agree_startup()
+        if counters.step < point.step and not self.startup_given_up:
+            rebase(
+                new_step=counters.step,
+                resumed_step=point.step,
+                run_dir=self.run_dir,
+                ckpt_dir=self.ckpt_dir,
+                primary=self.rank.acts_as_primary,
+                save=lambda: self.save(reason="rescaled"),
+                mirror=self.mirror,
+            )
         return counters.step
 
     def _agree_startup(self) -> None:
@@ -317,6 +328,17 @@ class TrainSession:
         self.target_samples = target_samples(
             steps=self.config.steps, global_batch=_global_batch(self.state), resumed=manifest
         )
+        batch = _global_batch(self.state)
+        left = (self.target_samples or 0) - (manifest.samples_seen if manifest else 0)
+        if batch and left > 0 and left % batch and self.rank.acts_as_primary:
+            log.warning(
+                "the %d samples left of the run are not a whole number of global batches of "
+                "%d at this world size: it ends %d samples past its length of %d",
+                left,
+                batch,
+                batch - left % batch,
+                self.target_samples,
+            )
 
     def _resume_from(self, point: ResumePoint[dict[str, Any]]) -> Counters:
         """Load what the resolver's worker read into the live objects, on this thread
@@ -520,6 +542,10 @@ class TrainSession:
             stopped=stopped,
         )
         self.final_upload_landed = ending.landed
+        if not self.group.single:
+            # every rank waits for rank 0's final upload: torchrun stops the others (SIGTERM,
+            # SIGKILL 30 s later) as soon as one rank exits
+            self.group.barrier()
         elapsed = time.monotonic() - started
         if stopped:
             where = durable_where(
