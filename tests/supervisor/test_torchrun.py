@@ -33,6 +33,12 @@ got_usr1 = []
 signal.signal(signal.SIGUSR1, lambda s, f: got_usr1.append(s))
 if mode == "hang":
     signal.signal(signal.SIGTERM, lambda s, f: note("sigterm"))
+if mode == "stop":  # exits 75 on a stop signal, writing no checkpoint
+    def stop(signum, frame):
+        note("stop", signal.Signals(signum).name)
+        sys.exit(75)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 note("env", "\n".join(f"{k}={os.environ.get(k, '')}" for k in
      ("RUNNER_RUN_LOCK_TOKEN", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "RUNNER_RUN_DIR")))
 note("pid", str(os.getpid()))
@@ -214,3 +220,21 @@ def test_workers_that_ignore_the_stop_are_killed_at_the_deadline(
     assert sorted(p.name for p in out.glob("sigterm.*")) == ["sigterm.0.1", "sigterm.1.1"]
     assert "grace period over and the trainer is still running" in s.err
     assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_sigint_reaches_every_worker_as_sigint_through_torchrun(
+    launch: list[Supervised], tmp_path: Path
+) -> None:
+    """SIGINT to the supervisor goes to torchrun, which passes SIGINT on to each worker. The
+    workers exit 75 without a checkpoint: no final one stands, so the run exits 1."""
+    s, out = _start(launch, tmp_path, "stop")
+    _wait_files(out, "pid.*", 2)
+    time.sleep(0.5)  # past the handlers' installation
+    s.proc.send_signal(signal.SIGINT)
+    assert s.wait(60) == 1, s.err
+    assert {p.name: p.read_text() for p in out.glob("stop.*")} == {
+        "stop.0.1": "SIGINT",
+        "stop.1.1": "SIGINT",
+    }
+    assert "SIGINT: forwarded SIGINT to the trainer" in s.err
+    assert "trainer stopped (exit code 1) without committing any checkpoint" in s.err
