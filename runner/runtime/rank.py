@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 # torchrun's variables (torch.distributed.elastic): GROUP_RANK is the node's rank.
 ENV_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# where the ranks meet (torch.distributed's env:// init); torchrun sets both
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,10 +130,21 @@ def launch_context(environ: Mapping[str, str]) -> RankContext:
     always sets valid ones) is warned about and runs as rank 0 of 1 instead of ending the run
     with exit 2."""
     try:
-        return RankContext.from_env(environ)
+        context = RankContext.from_env(environ)
     except ConfigError as exc:
         log.warning("ignoring the launch variables (%s): running as rank 0 of 1", exc)
         return SINGLE_PROCESS
+    missing = [name for name in RENDEZVOUS_VARIABLES if not environ.get(name)]
+    if context.coordinated and missing:
+        log.warning(
+            "ignoring WORLD_SIZE=%d RANK=%d: no %s, so this is not a torchrun launch (start "
+            "it with torchrun, or unset WORLD_SIZE); running as rank 0 of 1",
+            context.world_size,
+            context.rank,
+            "/".join(missing),
+        )
+        return SINGLE_PROCESS
+    return context
 
 
 def _integer(environ: Mapping[str, str], name: str) -> int | None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runner.checkpoint.listing import list_checkpoints
+from runner.collective.group import SINGLE
 from runner.config import RunConfig
 from runner.errors import EXIT_USAGE, ConfigError
 from runner.preemption.stop import StopController
@@ -49,14 +50,16 @@ def test_no_torchrun_variables_is_rank_0_of_1() -> None:
         assert ctx.is_primary and ctx.is_local_primary and ctx.acts_as_primary
 
 
-def test_torchrun_variables_are_carried_and_change_nothing_yet() -> None:
+def test_torchrun_variables_make_a_coordinated_rank() -> None:
     ctx = RankContext.from_env(TORCHRUN_RANK_3_OF_8)
     assert ctx == RankContext(
-        rank=3, world_size=8, local_rank=1, local_world_size=2, node_rank=1, coordinated=False
+        rank=3, world_size=8, local_rank=1, local_world_size=2, node_rank=1, coordinated=True
     )
     assert not ctx.is_primary and not ctx.is_local_primary
-    # issue 12 decides what a rank other than 0 leaves to the primary; until then it acts alone
-    assert ctx.acts_as_primary
+    # rank 3 leaves the run's single-writer work to rank 0 and its node's to local rank 0
+    assert not ctx.acts_as_primary and not ctx.acts_as_node_primary
+    node_first = RankContext.from_env({**TORCHRUN_RANK_3_OF_8, "RANK": "2", "LOCAL_RANK": "0"})
+    assert node_first.acts_as_node_primary and not node_first.acts_as_primary
 
 
 def test_stray_variables_without_world_size_are_ignored() -> None:
@@ -71,17 +74,20 @@ def test_stray_variables_without_world_size_are_ignored() -> None:
         # a launcher that sets the global variables and LOCAL_RANK, not LOCAL_WORLD_SIZE
         (
             {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"},
-            RankContext(rank=1, world_size=4, local_rank=1, local_world_size=4),
+            RankContext(rank=1, world_size=4, local_rank=1, local_world_size=4, coordinated=True),
         ),
         (
             {"WORLD_SIZE": "8", "RANK": "7", "LOCAL_RANK": "7", "GROUP_RANK": "0"},
-            RankContext(rank=7, world_size=8, local_rank=7, local_world_size=8),
+            RankContext(rank=7, world_size=8, local_rank=7, local_world_size=8, coordinated=True),
         ),
-        ({"WORLD_SIZE": "4", "RANK": "3"}, RankContext(rank=3, world_size=4, local_world_size=4)),
+        (
+            {"WORLD_SIZE": "4", "RANK": "3"},
+            RankContext(rank=3, world_size=4, local_world_size=4, coordinated=True),
+        ),
         ({"WORLD_SIZE": "1"}, SINGLE_PROCESS),
         (
             {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": ""},
-            RankContext(world_size=3, local_world_size=3),
+            RankContext(world_size=3, local_world_size=3, coordinated=True),
         ),
     ],
 )
@@ -90,7 +96,8 @@ def test_a_missing_local_world_size_is_the_world_size(
 ) -> None:
     ctx = RankContext.from_env(environ)
     assert ctx == expected
-    assert not ctx.coordinated and ctx.acts_as_primary
+    assert ctx.coordinated == (ctx.world_size > 1)
+    assert ctx.acts_as_primary == (ctx.rank == 0)
 
 
 def test_primary_and_local_primary() -> None:
@@ -189,8 +196,12 @@ def test_runner_demo_runs_alone_under_an_invalid_launch_environment(
 
 
 def test_launch_context_is_from_env_when_valid() -> None:
-    assert launch_context(TORCHRUN_RANK_3_OF_8) == RankContext.from_env(TORCHRUN_RANK_3_OF_8)
+    launched = {**TORCHRUN_RANK_3_OF_8, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert launch_context(launched) == RankContext.from_env(TORCHRUN_RANK_3_OF_8)
     assert launch_context({"RANK": "9", "WORLD_SIZE": "2"}) == SINGLE_PROCESS
+    # valid rank variables without a rendezvous are not a launch: alone, as before
+    assert launch_context(TORCHRUN_RANK_3_OF_8) == SINGLE_PROCESS
+    assert launch_context({**launched, "MASTER_PORT": ""}) == SINGLE_PROCESS
 
 
 TINY_DEMO = ["--steps", "2", "--device", "cpu", "--threads", "1", "--batch-size", "2"]
@@ -207,8 +218,10 @@ def test_runner_demo_runs_without_local_world_size(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
+    # no MASTER_ADDR/MASTER_PORT: not a torchrun launch, so the variables are stray and the
+    # demo runs alone (a real launch sets them; tests/e2e/test_multirank*.py)
+    assert "not a torchrun launch" in result.stderr
     assert list_checkpoints(FileStorage(run_dir)) == [2]
-    # rank 1 of an uncoordinated launch still does the single-writer work (issue 12 changes it)
     assert [json.loads(line)["step"] for line in (run_dir / "loss.jsonl").open()] == [1, 2]
 
 
@@ -348,7 +361,10 @@ def test_a_non_primary_session_leaves_loss_log_retention_and_seconds_to_the_prim
 ) -> None:
     run_dir = tmp_path / "run"
     state = new_state()
-    with TrainSession(session_config(run_dir), state=state, rank=SECOND_OF_TWO) as session:
+    # the rank's decisions alone, without its peers: no process group (group=SINGLE)
+    with TrainSession(
+        session_config(run_dir), state=state, rank=SECOND_OF_TWO, group=SINGLE
+    ) as session:
         assert session.policy.every_seconds is None
         assert session.policy.every_steps == 2
         train(session, state, 8)
