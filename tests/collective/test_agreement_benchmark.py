@@ -20,6 +20,7 @@ MECHANISMS = [
     "agree every 16 steps",
 ]
 TINY = ["--ranks", "2", "--iterations", "20", "--loop-steps", "3", "--warmup-steps", "1"]
+TINY += ["--sections", "agreement"]  # the others: tests/e2e/test_benchmarks_distributed.py
 
 
 def _run(*args: str, cwd: Path) -> str:
