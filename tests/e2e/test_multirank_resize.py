@@ -125,7 +125,7 @@ def test_two_ranks_resumed_at_one(
     stop_at_random_step(
         run_dir, lambda: first.proc.poll() is None, lambda: first.signal(signal.SIGTERM)
     )
-    first.wait(90)
+    assert first.wait(90) == 1, first.output()  # torchrun's agent, after a forwarded SIGTERM
     assert rank_exits(first) == {0: 75, 1: 75}, first.output()
     stopped = checkpoint_steps(run_dir)[-1]
     saved = manifest(run_dir, stopped)
@@ -154,15 +154,6 @@ def test_two_ranks_resumed_at_one(
     assert_each_consumed_once(order, before, after, total=480)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner defect, reported to the lead: at a larger world size the step is rescaled "
-    "down (N -> N // 2), so the 1-rank checkpoints numbered above it stay the newest: the "
-    "resumed run's saves at steps 20 and 30 collide with them ('already exists and it "
-    "verifies and holds another state'; the final one ends the run with exit 1) and a re-run "
-    "resumes from the stale step N; with N odd the run also ends 4 samples past its target "
-    "(244, not 240). Stopped past step 30 here, so that the collision always happens.",
-)
 def test_one_rank_resumed_at_two(
     torchrun: Callable[..., Torchrun],
     plain_demo: Callable[..., Plain],
@@ -173,6 +164,8 @@ def test_one_rank_resumed_at_two(
     run_dir, samples = tmp_path / "run", tmp_path / "samples.jsonl"
     command = ("--sample-log", str(samples))
     first = plain_demo(run_dir, *command)
+    # past step 30: the 1-rank checkpoints numbered above the rescaled step (its 30 at least)
+    # are the older lineage that the resumed run must re-base past
     stop_at_random_step(
         run_dir,
         lambda: first.proc.poll() is None,
@@ -190,16 +183,20 @@ def test_one_rank_resumed_at_two(
     out = again.rank_stderr(0)
     rescaled = stopped // 2
     assert f"world size changed 1 -> 2: step rescaled {stopped} -> {rescaled} " in out
+    assert f"re-basing the run at step {rescaled} before training" in out
     total = STEPS * BATCH
     assert f"run length fixed in samples ({total})" in out
     last, fingerprint = final_fingerprint(out)
     final = manifest(run_dir, last)
+    ended = int(final["samples_seen"])  # type: ignore[call-overload]
     assert (final["world_size"], final["fingerprint"]) == (2, fingerprint)
-    assert final["samples_seen"] == straight_1rank["samples_seen"] == total
     for step in checkpoint_steps(run_dir):
-        resumed = manifest(run_dir, step)
-        if resumed["world_size"] == 2:
-            assert resumed["samples_seen"] == stopped * BATCH + (step - rescaled) * 2 * BATCH
+        if step >= rescaled:  # nothing of the 1-rank lineage is numbered above the new step
+            resumed = manifest(run_dir, step)
+            assert (resumed["world_size"], resumed["samples_seen"]) == (
+                2,
+                stopped * BATCH + (step - rescaled) * 2 * BATCH,
+            ), step
 
     before = consumed(sample_lines(samples), stopped)
     after = both_ranks(samples)
@@ -207,10 +204,22 @@ def test_one_rank_resumed_at_two(
     assert after == expected_slices(
         order, first_step=rescaled + 1, last_step=last, ranks=2, offset=stopped * BATCH
     )
-    assert_each_consumed_once(order, before, after, total=total)
+    assert_each_consumed_once(order, before, after, total=ended)
 
     # the finished run is the newest: the same command once more trains nothing
-    done = torchrun(2, demo_args(run_dir))
+    done = torchrun(2, demo_args(run_dir, *command))
     assert done.wait(180) == 0, done.output()
     assert f"resuming from local checkpoint step {last}" in done.rank_stderr(0)
     assert final_fingerprint(done.rank_stderr(0)) == (last, fingerprint)
+
+    # Last, as it may end the test: the end in samples. An odd N leaves 4 samples, half a
+    # global batch of 2 ranks; the runner then trains one more whole batch (a documented
+    # warning, docs/distributed.md), against DESIGN.md's "ends at the same samples_seen".
+    if stopped % 2:
+        assert ended == total + BATCH
+        assert f"it ends {BATCH} samples past its length of {total}" in out
+        pytest.xfail(
+            f"stopped at odd step {stopped}: ended at samples_seen {ended}, not {total} "
+            "(reported to the lead: the contract says the same samples_seen)"
+        )
+    assert ended == straight_1rank["samples_seen"] == total
