@@ -86,6 +86,7 @@ def judge_stop(
     killed: bool,
     logged: int | None,
     unadopted_steps: Iterable[int],
+    mute_exit: bool = False,
 ) -> StopJudgement:
     """A final checkpoint is the newest committed one when
 
@@ -93,13 +94,17 @@ def judge_stop(
       checkpoint committed or seed file waiting to be adopted when the stop was forwarded:
       a seed trainer's adopted .bin, or a checkpoint dir a runner child committed), or
     - the trainer exited 0 or 75 on its own (not killed at the deadline): its state at the
-      stop was already committed, e.g. a runner child stopped right after a save;
+      stop was already committed, e.g. a runner child stopped right after a save. With
+      `mute_exit` the code tells nothing (torchrun's 1 after a stop it passed on, whatever
+      its workers did): then the trainer's loss.jsonl must say it, logging no step past the
+      checkpoint (ranks stopped while resuming, nothing trained); a trainer without one is
+      not taken as stopped cleanly;
 
     and, in both cases, the trainer's loss.jsonl (`logged`, when it keeps one) logs no step
     past it and no seed file of a later step was left unadopted (then the supervisor exits 3).
     """
     fresh = ckpt is not None and (step_at_stop is None or ckpt.step > step_at_stop)
-    clean = not killed and code in (EXIT_OK, EXIT_PREEMPTED)
+    clean = not killed and (code in (EXIT_OK, EXIT_PREEMPTED) or (mute_exit and logged is not None))
     lost_steps = ckpt is not None and logged is not None and logged > ckpt.step
     # a newer file of the trainer's that was not adopted: its final one was lost
     rejected = ckpt is not None and any(step >= ckpt.step for step in unadopted_steps)

@@ -206,8 +206,9 @@ class Supervisor:
         code = launcher.exit_code(code)  # torchrun's 1 for workers that all exited 75, ...
         self._adopt(settled=True)
         if watched.stop_sent_at is not None:
+            mute = launcher.mute_exit(code)
             return self._unless_lost(
-                self._finish_stop(code, watched.stop_sent_at, killed=watched.killed)
+                self._finish_stop(code, watched.stop_sent_at, killed=watched.killed, mute=mute)
             )
         return self._ended_on_its_own(code)
 
@@ -300,11 +301,12 @@ class Supervisor:
         self.commits.raise_if_lost()
         return code
 
-    def _finish_stop(self, code: int, stop_sent_at: float, *, killed: bool) -> int:
+    def _finish_stop(self, code: int, stop_sent_at: float, *, killed: bool, mute: bool) -> int:
         """After a stop we forwarded: 75 only when a final checkpoint stands, else 1 (2 or 3
-        when the trainer exited so); runner/supervisor/ending.py judges which stands."""
+        when the trainer exited so); runner/supervisor/ending.py judges which stands (`mute`:
+        the exit code says nothing, torchrun's)."""
         took = time.monotonic() - stop_sent_at
-        judged = self.commits.judge_stop(code=code, killed=killed)
+        judged = self.commits.judge_stop(code=code, killed=killed, mute_exit=mute)
         return finish_stopped(
             judged,
             code=code,

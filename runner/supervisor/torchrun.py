@@ -17,8 +17,10 @@ what the installed torch (2.x: torch/distributed/elastic) does:
 - Workers that exit non-zero on their own (every rank exits 75 after a stop one of them saw)
   make torchrun print a ChildFailedError summary, one `exitcode : N (pid: P)` line per failed
   worker, and exit 1. When every failed worker the supervisor saw exited with the same 2, 3 or
-  75, that is the attempt's exit code (`Torchrun.exit_code`); after torchrun itself got the
-  stop it prints no summary, and the committed checkpoints decide (ending.judge_stop).
+  75, that is the attempt's exit code (`Torchrun.exit_code`). After torchrun itself got the
+  stop it prints no summary and exits 1 whatever its workers did (`Torchrun.mute_exit`): the
+  committed checkpoints and the loss log decide (ending.judge_stop), so ranks stopped while
+  still resuming, with nothing trained, end the run with 75 as a lone `runner demo` would.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class PlainTrainer:
     def exit_code(self, code: int) -> int:
         return code
 
+    def mute_exit(self, code: int) -> bool:
+        """Whether exit `code` says nothing of how the trainer's own processes ended."""
+        return False
+
 
 class Torchrun(PlainTrainer):
     """torchrun and its workers (see the module docstring); one instance per attempt."""
@@ -142,6 +148,10 @@ class Torchrun(PlainTrainer):
             worker_code,
         )
         return worker_code
+
+    def mute_exit(self, code: int) -> bool:
+        """torchrun's 1 with no failure summary: it got the stop itself (SignalException)."""
+        return code == EXIT_FAILURE and not self.failed
 
 
 def launcher_for(command: Sequence[str]) -> PlainTrainer:

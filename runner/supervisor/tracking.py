@@ -107,9 +107,10 @@ class CommitTracker:
             known.append(self.last_checkpoint.step)
         self.step_at_stop = max(known, default=None)
 
-    def judge_stop(self, *, code: int, killed: bool) -> StopJudgement:
+    def judge_stop(self, *, code: int, killed: bool, mute_exit: bool = False) -> StopJudgement:
         """What stands now that the stopped trainer exited (runner.supervisor.ending), a
-        checkpoint it committed itself (a runner child) included."""
+        checkpoint it committed itself (a runner child) included; `mute_exit`: its exit code
+        says nothing of how it stopped (torchrun's, ending.judge_stop)."""
         newest = newest_committed(self.ckpt_dir)
         if newest is not None:
             self.seen(newest)
@@ -120,6 +121,7 @@ class CommitTracker:
             killed=killed,
             logged=last_logged_step(self.run_dir),
             unadopted_steps=[item.step for item in self.adopter.not_adopted.values()],
+            mute_exit=mute_exit,
         )
 
     def raise_if_lost(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from runner.supervisor.torchrun import SHUTDOWN_TIMEOUT_ENV, Torchrun, is_torchrun
+from tests.fixtures.cli_process import runner
 from tests.fixtures.supervised import Supervised
 from tests.fixtures.torchrun import children
 
@@ -33,9 +34,12 @@ got_usr1 = []
 signal.signal(signal.SIGUSR1, lambda s, f: got_usr1.append(s))
 if mode == "hang":
     signal.signal(signal.SIGTERM, lambda s, f: note("sigterm"))
-if mode == "stop":  # exits 75 on a stop signal, writing no checkpoint
+if mode.startswith("stop"):  # exits 75 on a stop signal, writing no checkpoint
     def stop(signum, frame):
         note("stop", signal.Signals(signum).name)
+        if mode == "stop-logged" and rank == "0":  # a step trained past the checkpoint
+            with open(os.path.join(os.environ["RUNNER_RUN_DIR"], "loss.jsonl"), "a") as f:
+                f.write('{"step": 3, "loss": 1.0}\n')
         sys.exit(75)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -238,3 +242,52 @@ def test_sigint_reaches_every_worker_as_sigint_through_torchrun(
     }
     assert "SIGINT: forwarded SIGINT to the trainer" in s.err
     assert "trainer stopped (exit code 1) without committing any checkpoint" in s.err
+
+
+def _stop_after_resume(
+    launch: list[Supervised], tmp_path: Path, mode: str, *, loss_log: bool = True
+) -> Supervised:
+    """A run dir with step 2 committed by a lone `runner demo` (loss.jsonl logs steps 1-2),
+    then `runner run -- torchrun` on it, whose workers exit 75 on the SIGTERM torchrun passes
+    on, without training or saving anything."""
+    run_dir = tmp_path / "run"
+    demo = runner(
+        "demo", "--run-dir", str(run_dir), "--steps", "2", "--ckpt-every", "2",
+        "--device", "cpu", "--threads", "1", "--no-progress",
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr
+    if not loss_log:
+        (run_dir / "loss.jsonl").unlink()
+    s, out = _start(launch, tmp_path, mode)
+    _wait_files(out, "pid.*", 2)
+    s.proc.send_signal(signal.SIGTERM)
+    return s
+
+
+def test_ranks_stopped_while_resuming_exit_75_though_torchrun_exits_1(
+    launch: list[Supervised], tmp_path: Path
+) -> None:
+    """torchrun got the stop itself: no failure summary, exit 1 whatever its workers did. The
+    checkpoint resumed from holds every step the loss log has: it is the final one, 75."""
+    s = _stop_after_resume(launch, tmp_path, "stop")
+    assert s.wait(60) == 75, s.err
+    assert "final (already committed before the stop) checkpoint: step 2" in s.err
+
+
+def test_a_step_logged_past_the_checkpoint_makes_the_stop_exit_1(
+    launch: list[Supervised], tmp_path: Path
+) -> None:
+    """Rank 0 logs step 3 before it exits: that step is lost, no final checkpoint stands."""
+    s = _stop_after_resume(launch, tmp_path, "stop-logged")
+    assert s.wait(60) == 1, s.err
+    assert "steps up to 3 it logged after it are lost" in s.err
+
+
+def test_without_a_loss_log_torchruns_1_after_a_stop_is_not_taken_as_clean(
+    launch: list[Supervised], tmp_path: Path
+) -> None:
+    """Nothing says what the workers did since the checkpoint: 1, as for any trainer that
+    exits 1 on a stop without committing a final checkpoint."""
+    s = _stop_after_resume(launch, tmp_path, "stop", loss_log=False)
+    assert s.wait(60) == 1, s.err
+    assert "without committing a final checkpoint" in s.err
