@@ -50,7 +50,9 @@ _PASSED_ON = frozenset({EXIT_PREEMPTED, EXIT_USAGE, EXIT_INTEGRITY})
 
 
 def is_torchrun(command: Sequence[str]) -> bool:
-    """`torchrun ...` or `python -m torch.distributed.run ...` (or the older `.launch`)."""
+    """`torchrun ...` or `python -m torch.distributed.run ...` (or the older `.launch`). Only
+    the command itself is looked at: torchrun behind a shell script or `uv run` is a plain
+    trainer, and a SIGUSR1 to its group would kill torchrun."""
     if not command:
         return False
     if Path(command[0]).name == "torchrun":
