@@ -44,10 +44,13 @@ EXPECTED_OPTIONS = {
     "demo": [
         ("--run-dir DIRECTORY", "env var: RUNNER_RUN_DIR; default: runs/demo"),
         *SHARED_RUN_OPTIONS,
+        ("--collective-timeout FLOAT", "env var: RUNNER_COLLECTIVE_TIMEOUT; default: 300.0"),
         ("--batch-size INTEGER", "env var: RUNNER_BATCH_SIZE; default: 16"),
         ("--device TEXT", "env var: RUNNER_DEVICE; default: auto"),
         ("--threads INTEGER RANGE", "env var: RUNNER_THREADS; default: 1; x>=1"),
         ("--progress / --no-progress", "env var: RUNNER_PROGRESS"),
+        ("--sample-log FILE", "env var: RUNNER_SAMPLE_LOG"),
+        ("--parallel [ddp|fsdp]", "env var: RUNNER_PARALLEL; default: ddp"),
         ("-h, --help", ""),
     ],
     "run": [
