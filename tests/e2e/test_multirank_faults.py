@@ -77,7 +77,7 @@ def test_sigkill_of_one_rank_during_saves(
     pids = launch.worker_pids()
     wait_until(lambda: len(checkpoint_steps(run_dir)) >= 3, lambda: launch.proc.poll() is None,
                "third checkpoint")  # fmt: skip
-    time.sleep(random.uniform(0, 0.1))  # somewhere in a save, or between two
+    time.sleep(random.Random().uniform(0, 0.1))  # somewhere in a save, or between two
     os.kill(pids[victim], signal.SIGKILL)
     killed = time.monotonic()
     code = launch.wait(120)

@@ -66,7 +66,8 @@ def stop_at_random_step(
     run_dir: Path, running: Callable[[], bool], stop: Callable[[], None], *, low: int = 11
 ) -> int:
     """SIGTERM (`stop`) once the run logged a random step past `low`; returns that step."""
-    at = random.randint(low, STEPS - 15)
+    # its own generator: building the demo (the `order` fixture) seeds the global one
+    at = random.Random().randint(low, STEPS - 15)
     wait_until(lambda: max(logged_steps(run_dir), default=0) >= at, running, f"step {at}")
     stop()
     return at
