@@ -14,6 +14,7 @@ import click
 
 from runner.cli import options
 from runner.config import RunConfig
+from runner.demo.sharding import PARALLEL_MODES
 from runner.errors import IntegrityError
 
 
@@ -52,7 +53,7 @@ from runner.errors import IntegrityError
 @click.option(
     "--parallel",
     envvar="RUNNER_PARALLEL",
-    type=click.Choice(("ddp", "fsdp")),  # components.PARALLEL_MODES (importing it imports torch)
+    type=click.Choice(PARALLEL_MODES),
     default="ddp",
     show_default=True,
     help="How several ranks (torchrun) train: ddp, or fsdp (FSDP2 fully_shard: each rank "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import random
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 from runner.demo.corpus import DEFAULT_CHARS, generate_corpus
 from runner.demo.data import CharVocab, WindowDataset
 from runner.demo.model import TinyGPT
+from runner.demo.sharding import PARALLEL_MODES, data_parallel, fully_shard_model
 from runner.errors import ConfigError
 from runner.state.counters import Counters
 from runner.state.fingerprint import full_fingerprint
@@ -29,12 +29,6 @@ from runner.state.ranked import is_sharded, load_full_state
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState, restore_train_state
 from runner.state.worldsize import move_scheduler_to_step
-
-log = logging.getLogger(__name__)
-
-PARALLEL_MODES = ("ddp", "fsdp")
-"""How several ranks train the demo (`runner demo --parallel`): DDP (every rank holds the whole
-model and optimizer) or FSDP2 (`fully_shard`: each rank holds a shard of both)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -258,7 +252,7 @@ def build_demo(
     ).to(target)
     distributed = world_size > 1 and torch.distributed.is_initialized()
     if distributed and parallel == "fsdp":
-        _fully_shard(model)  # before the optimizer: it must hold the sharded parameters
+        fully_shard_model(model)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=config.weight_decay
     )
@@ -272,12 +266,7 @@ def build_demo(
         # fully_shard keeps each rank's shard of them), then draws its own dropout masks.
         # Without a process group the components of one rank are built alone (tests of the
         # sharding and resume rules).
-        if parallel == "fsdp":
-            wrapped = model
-        else:
-            from torch.nn.parallel import DistributedDataParallel
-
-            wrapped = DistributedDataParallel(model, device_ids=_device_ids(target))
+        wrapped = model if parallel == "fsdp" else data_parallel(model, target)
         torch.manual_seed(_rank_seed(seed, rank))
     return DemoComponents(
         config=config,
@@ -291,26 +280,6 @@ def build_demo(
         world_size=world_size,
         parallel=wrapped,
     )
-
-
-def _fully_shard(model: TinyGPT) -> None:
-    """FSDP2 over the default process group: each block its own unit (its parameters are
-    gathered for its forward and backward only), then the root for the rest (embeddings,
-    final norm, head). The module stays `model`, its parameters become DTensors."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    log.info(
-        "fully_shard: %d blocks and the root over %d ranks",
-        len(model.blocks),
-        torch.distributed.get_world_size(),
-    )
-
-
-def _device_ids(device: torch.device) -> list[int] | None:
-    return [device.index or 0] if device.type == "cuda" else None
 
 
 def _rank_seed(seed: int, rank: int) -> int:
