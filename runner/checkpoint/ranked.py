@@ -17,6 +17,7 @@ The ranks of one node share its run dir (several nodes, one dir each: issue 14).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,15 @@ def write_ranked(
 ) -> CommittedCheckpoint:
     """Commit one checkpoint of every rank's part; called by every rank at the same step."""
     if group.rank == 0:
-        with writer.staging(meta.step) as stage:
+        try:
+            staging = writer.staging(meta.step)
+            stage = staging.__enter__()
+        except (OSError, RunnerError) as exc:
+            # the others wait for the staging dir's name: tell them instead
+            group.broadcast([_Failed(0, f"could not create the staging directory: {exc}")])
+            raise
+        with contextlib.ExitStack() as cleanup:
+            cleanup.push(staging)
             group.broadcast(stage.path.name)
             entries = _write_part(stage, part, group)
             parts = group.all_gather(entries)
@@ -81,7 +90,9 @@ def write_ranked(
                 raise
             group.broadcast(committed)
             return committed
-    name: str = group.broadcast("")
+    name: str | list[_Failed] = group.broadcast("")
+    if isinstance(name, list):
+        raise _error(name, rank=group.rank)
     stage = Staging(writer.ckpt_dir / name)
     group.all_gather(_write_part(stage, part, group))
     outcome = group.broadcast(None)

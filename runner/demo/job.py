@@ -16,7 +16,7 @@ from runner.config import RunConfig
 from runner.demo.components import DemoComponents, build_demo
 from runner.demo.display import ProgressDisplay
 from runner.demo.launch import process_group
-from runner.errors import RunnerError
+from runner.errors import PeerLostError, RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
@@ -128,7 +128,7 @@ def _train(session: TrainSession, components: DemoComponents, display: ProgressD
         )
     shown = session.last_checkpoint
     while not session.should_stop:
-        loss = components.train_step()
+        loss = _step(session, components)
         session.step_done()
         if session.last_checkpoint is not shown:  # a new commit, not every step
             shown = session.last_checkpoint
@@ -136,6 +136,21 @@ def _train(session: TrainSession, components: DemoComponents, display: ProgressD
                 display.checkpoint(shown.step)
         display.update(step=session.step, loss=loss)
     return session.finish()
+
+
+def _step(session: TrainSession, components: DemoComponents) -> float:
+    """One training step; with several ranks, a failure of its own collectives (DDP's
+    gradient all-reduce, the loss average: a peer died) is the runner's PeerLostError, like
+    one of the runner's collectives, not a traceback."""
+    if session.group.single:
+        return components.train_step()
+    try:
+        return components.train_step()
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, ...) are these
+        raise PeerLostError(
+            f"rank {session.group.rank}: the training step's collective failed ({exc}): a peer "
+            "process died or hung; the last committed checkpoint stands"
+        ) from exc
 
 
 def _checkpoint_age(session: TrainSession, step: int) -> float:

@@ -139,8 +139,22 @@ def target_samples(
     starts now or whose checkpoints predate it (then they were written at one world size, so
     their samples per step is the global batch they ran with). None without a step target
     or a known global batch."""
-    if resumed is not None and isinstance(resumed.extra.get("target_samples"), int):
-        return int(resumed.extra["target_samples"])
+    carried = resumed.extra.get("target_samples") if resumed is not None else None
+    if resumed is not None and isinstance(carried, int):
+        was = resumed.extra.get("target_steps")
+        if steps is not None and isinstance(was, int) and was > 0 and steps != was:
+            # --steps changed: the same global batch of the first attempt, another length
+            changed = carried // was * steps
+            log.warning(
+                "--steps %d, not %d as when the run's length was fixed: its length is now %d "
+                "samples (was %d)",
+                steps,
+                was,
+                changed,
+                carried,
+            )
+            return changed
+        return carried
     if steps is None:
         return None
     if resumed is not None and resumed.step > 0 and resumed.samples_seen > 0:

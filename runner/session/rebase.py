@@ -26,7 +26,7 @@ from runner.checkpoint.aside import decommit_remote, set_aside_local
 from runner.checkpoint.layout import step_dir_name
 from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.writer import CommittedCheckpoint, committed_steps
-from runner.errors import RunnerError, StorageError
+from runner.errors import RunnerError, StorageError, StorageTransientError
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUPERSEDED = "superseded-by-rescale"
+
+
+class RebaseIncomplete(StorageTransientError):
+    """The re-based checkpoint did not reach the mirror: exit 1 before training (retry)."""
 
 
 def rebase(
@@ -68,13 +72,15 @@ def rebase(
     committed = save()
     if primary:
         if mirror is not None and not mirror.upload_now(committed):
-            log.warning(
-                "mirror: the re-based checkpoint step %d is not uploaded; step %d stays "
-                "committed there (a later attempt re-bases again)",
-                committed.step,
-                resumed_step,
+            # Training on would leave the mirror's stale step the newest there (and the local
+            # one, set aside only below, would collide with this run's save of that step):
+            # stop before training instead; a restart re-bases again (the save above is then
+            # a duplicate of this one, discarded).
+            raise RebaseIncomplete(
+                f"the re-based checkpoint step {committed.step} could not be uploaded, so the "
+                f"mirror's step {resumed_step} (an older state) would stay its newest: not "
+                "training on; the next attempt re-bases again, nothing was lost"
             )
-            return committed
         if mirror is not None:
             _decommit_remote(mirror, range(resumed_step, resumed_step + 1))
         resumed = ckpt_dir / step_dir_name(resumed_step)

@@ -311,11 +311,15 @@ class TrainSession:
         so that none trains alone."""
         if self.group.single:
             return
-        (given_up,) = self.group.agree((int(self.startup_given_up),))
+        given_up, stopping = self.group.agree(
+            (int(self.startup_given_up), int(self.stop.stop_requested))
+        )
         if given_up and not self.startup_given_up:
             self.startup_given_up = True
+        if (given_up or stopping) and not self.stop.stop_requested:
             self.stop.request_stop(PEER_STOP)
-        self._agreed_stop = bool(given_up)
+        # a stop that came while the ranks resumed ends the run before its first step
+        self._agreed_stop = bool(given_up or stopping)
 
     def _set_target(self, point: ResumePoint[dict[str, Any]] | None) -> None:
         """Fix the run's length in samples when it matters: several ranks now, or a
@@ -464,7 +468,9 @@ class TrainSession:
         (runner.session.checkpointer; a failure before the commit goes through _save_failed);
         the sync saver has committed when result() returns."""
         # the run's length in samples travels with its checkpoints once it is fixed
-        extra = {"target_samples": self.target_samples} if self.target_samples else None
+        extra = None
+        if self.target_samples:
+            extra = {"target_samples": self.target_samples, "target_steps": self.config.steps}
         return self.checkpointer.save(self.state, reason=reason, extra=extra).result()
 
     def _save_failed(self, exc: Exception, step: int) -> Exception:

@@ -6,6 +6,7 @@ without launching ranks (tests/e2e/test_multirank*.py launch them)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ from runner.checkpoint.ranked import load_ranked, write_ranked
 from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 from runner.collective.group import SINGLE
-from runner.errors import IntegrityError
+from runner.errors import CheckpointWriteError, IntegrityError
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
+from tests.fixtures.torchrun import GlooWorld
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -102,3 +104,48 @@ def test_a_manifest_whose_counters_disagree_with_train_state_is_refused(tmp_path
     path.write_text(json.dumps(forged))
     with pytest.raises(IntegrityError, match=r"samples_seen: manifest 999, payload 16"):
         verify_dir(step_dir)
+
+
+HERE = "tests.checkpoint.test_ranked_commit"
+
+
+class _FakeStagingFailsWriter(CheckpointWriter):
+    """Fault injection (a fake): rank 0 cannot create the staging directory (ENOSPC)."""
+
+    def staging(self, step: int):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device (injected)")
+
+
+def _worker_staging_fails(ckpt_dir: str) -> None:
+    from runner.collective.group import dedicated_group
+
+    group = dedicated_group(timeout_s=60)
+    state = _state()
+    _train(state, 2)
+    writer_class = _FakeStagingFailsWriter if group.rank == 0 else CheckpointWriter
+    writer = writer_class(Path(ckpt_dir), run_id="r" * 16, writer_id="test")
+    meta = CheckpointMeta(
+        step=2, samples_seen=8, world_size=2, epoch=0, batch_in_epoch=2, fingerprint=""
+    )
+    part = state.capture_ranked(rank=group.rank, world_size=2)
+    try:
+        write_ranked(writer, part, meta=meta, group=group)
+    except (OSError, CheckpointWriteError) as exc:
+        print(json.dumps({"rank": group.rank, "error": type(exc).__name__, "message": str(exc)}))
+    group.barrier()  # the ranks still call collectives in step: nothing is left waiting
+
+
+def test_a_staging_failure_on_rank_0_fails_the_save_on_every_rank_without_a_hang(
+    gloo_world: Callable[..., GlooWorld], tmp_path: Path
+) -> None:
+    world = gloo_world(f"{HERE}:_worker_staging_fails", 2, str(tmp_path / "checkpoints"))
+    finished = world.wait(timeout=90)
+    assert [f.returncode for f in finished] == [0, 0], [f.stderr for f in finished]
+    outcomes = [json.loads(f.stdout) for f in finished]
+    assert outcomes[0]["error"] == "OSError"
+    assert outcomes[1]["error"] == "CheckpointWriteError"
+    assert outcomes[1]["message"].startswith(
+        "the checkpoint was not committed: rank 0: could not create the staging directory: "
+    )
+    assert "No space left on device (injected)" in outcomes[1]["message"]
+    assert not list((tmp_path / "checkpoints").glob("step_*"))
