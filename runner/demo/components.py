@@ -27,7 +27,7 @@ from runner.state.counters import Counters
 from runner.state.fingerprint import full_fingerprint
 from runner.state.ranked import is_sharded, load_full_state
 from runner.state.sampler import ResumableSampler
-from runner.state.train_state import ModuleTrainState, restore_train_state
+from runner.state.train_state import ModuleTrainState
 from runner.state.worldsize import move_scheduler_to_step
 
 
@@ -167,18 +167,7 @@ class DemoComponents(ModuleTrainState):
             if state.get("scheduler"):
                 self.scheduler.load_state_dict(state["scheduler"])
 
-        self.counters = restore_train_state(
-            state,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            sampler=self.sampler,
-            world_size=self.world_size,
-            restore_rng=restore_rng,
-            load_modules=load_modules,
-        )
-        self.loss_history = [float(x) for x in state.get("loss_history", [])]
-        return self.counters
+        return self.restore_using(state, restore_rng=restore_rng, load_modules=load_modules)
 
     def rescale_schedule(self, total_steps: int) -> None:
         """Stretch the LR schedule to a run of `total_steps` at this world size (the same

@@ -84,6 +84,17 @@ class ModuleTrainState:
         )
 
     def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
+        return self.restore_using(state, restore_rng=restore_rng)
+
+    def restore_using(
+        self,
+        state: dict[str, Any],
+        *,
+        restore_rng: bool = True,
+        load_modules: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Counters:
+        """`restore`, with the model/optimizer/scheduler load replaced by `load_modules`
+        when given (DCP's tensors, a sharded model's full state)."""
         self.counters = restore_train_state(
             state,
             model=self.model,
@@ -92,6 +103,7 @@ class ModuleTrainState:
             sampler=self.sampler,
             world_size=self.world_size,
             restore_rng=restore_rng,
+            load_modules=load_modules,
         )
         self.loss_history = [float(x) for x in state.get("loss_history", [])]
         return self.counters
@@ -140,18 +152,9 @@ class ModuleTrainState:
             if self.scheduler is not None and state.get("scheduler"):
                 self.scheduler.load_state_dict(state["scheduler"])
 
-        self.counters = restore_train_state(
-            state,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            sampler=self.sampler,
-            world_size=self.world_size,
-            restore_rng=restore_rng and own.get("rng") is not None,
-            load_modules=load_modules,
+        return self.restore_using(
+            state, restore_rng=restore_rng and own.get("rng") is not None, load_modules=load_modules
         )
-        self.loss_history = [float(x) for x in state.get("loss_history", [])]
-        return self.counters
 
     def fingerprint(self) -> str:
         return fingerprint_of(self.model, self.optimizer)
