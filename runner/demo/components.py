@@ -24,7 +24,6 @@ from runner.demo.model import TinyGPT
 from runner.demo.sharding import PARALLEL_MODES, data_parallel, fully_shard_model
 from runner.errors import ConfigError
 from runner.state.counters import Counters
-from runner.state.fingerprint import full_fingerprint
 from runner.state.ranked import is_sharded, load_full_state
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
@@ -150,11 +149,6 @@ class DemoComponents(ModuleTrainState):
         total = loss.clone()
         dist.all_reduce(total)
         return float(total.item()) / dist.get_world_size()
-
-    def full_fingerprint(self, *, primary: bool = True) -> str:
-        """The fingerprint of the full state on the primary rank ("" on the others). Every
-        rank calls it at the same point: a sharded model is gathered (collective)."""
-        return full_fingerprint(self.model, self.optimizer, primary=primary)
 
     def restore(self, state: dict[str, Any], *, restore_rng: bool = True) -> Counters:
         """`ModuleTrainState.restore`; a sharded model loads the whole state by each rank

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator
 
 from runner.demo.components import resolve_device
+from runner.preemption.exiting import end_without_teardown
 from runner.runtime.rank import RankContext
 
 log = logging.getLogger(__name__)
@@ -48,3 +49,4 @@ def process_group(rank: RankContext, device: str) -> Iterator[str]:
     finally:
         with contextlib.suppress(Exception):  # a peer that died leaves nothing to tear down
             dist.destroy_process_group()
+        end_without_teardown()  # gloo's threads outlive it (runner.preemption.exiting)

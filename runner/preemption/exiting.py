@@ -26,6 +26,18 @@ EXIT_HOOKS_BUDGET_S = 2.0
 _abandoned = threading.Event()
 
 
+# set once native threads the interpreter cannot join may still run at exit
+_native_threads = threading.Event()
+
+
+def end_without_teardown() -> None:
+    """Have `exit_process` skip the interpreter's final teardown (exit hooks and flushes still
+    run): torch.distributed's gloo threads outlive destroy_process_group, and freeing what
+    they hold during that teardown can abort the process (SIGABRT, "terminate called without
+    an active exception") after its exit code was decided."""
+    _native_threads.set()
+
+
 def note_abandoned_work() -> None:
     """Record that threads may still be blocked on work given up at a deadline (an upload to a
     store that stopped answering), so the exit must not wait for them."""
@@ -46,12 +58,16 @@ def exit_process(code: int) -> NoReturn:
     # the code is decided: no late signal may replace it (a no-op outside the main thread)
     ignore_for_teardown()
     if not stuck and not _abandoned.is_set():
-        sys.exit(code)
-    log.warning(
-        "exiting (code %d) without waiting for background threads%s",
-        code,
-        f" still blocked: {', '.join(stuck[:5])}" if stuck else " (work given up at a deadline)",
-    )
+        if not _native_threads.is_set():
+            sys.exit(code)
+    else:
+        log.warning(
+            "exiting (code %d) without waiting for background threads%s",
+            code,
+            f" still blocked: {', '.join(stuck[:5])}"
+            if stuck
+            else " (work given up at a deadline)",
+        )
     # What a normal exit runs (user hooks, logging.shutdown) still runs, but on a clock: a
     # hook may itself wait on the stuck threads (finalizers of the transfer's connections).
     hooks = threading.Thread(target=atexit._run_exitfuncs, name="atexit-hooks", daemon=True)
