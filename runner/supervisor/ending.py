@@ -29,6 +29,7 @@ from runner.preemption.stop import StopController
 from runner.runtime.lifecycle import end_run, stop_deadline
 from runner.supervisor.child import describe_exit
 from runner.supervisor.hooks import MirrorHook
+from runner.supervisor.progress import Progress, newer
 
 # the supervisor's lines keep the one logger name they have always had
 log = logging.getLogger("runner.supervisor.supervise")
@@ -82,6 +83,7 @@ def judge_stop(
     ckpt: CommittedCheckpoint | None,
     *,
     step_at_stop: int | None,
+    samples_at_stop: int = 0,
     code: int,
     killed: bool,
     logged: int | None,
@@ -90,9 +92,11 @@ def judge_stop(
 ) -> StopJudgement:
     """A final checkpoint is the newest committed one when
 
-    - it was committed during this stop (its step is newer than `step_at_stop`, every
-      checkpoint committed or seed file waiting to be adopted when the stop was forwarded:
-      a seed trainer's adopted .bin, or a checkpoint dir a runner child committed), or
+    - it was committed during this stop (newer by progress than `step_at_stop` and its
+      `samples_at_stop`, runner/supervisor/progress.py: every checkpoint committed or seed
+      file waiting to be adopted when the stop was forwarded: a seed trainer's adopted .bin,
+      or a checkpoint dir a runner child committed; a lower step with more samples, a run
+      re-based at more ranks, is fresh), or
     - the trainer exited 0 or 75 on its own (not killed at the deadline): its state at the
       stop was already committed, e.g. a runner child stopped right after a save. With
       `mute_exit` the code tells nothing (torchrun's 1 after a stop it passed on, whatever
@@ -103,7 +107,8 @@ def judge_stop(
     and, in both cases, the trainer's loss.jsonl (`logged`, when it keeps one) logs no step
     past it and no seed file of a later step was left unadopted (then the supervisor exits 3).
     """
-    fresh = ckpt is not None and (step_at_stop is None or ckpt.step > step_at_stop)
+    at_stop = None if step_at_stop is None else Progress(step_at_stop, samples_at_stop)
+    fresh = ckpt is not None and Progress.of(ckpt).newer_than(at_stop)
     clean = not killed and (code in (EXIT_OK, EXIT_PREEMPTED) or (mute_exit and logged is not None))
     lost_steps = ckpt is not None and logged is not None and logged > ckpt.step
     # a newer file of the trainer's that was not adopted: its final one was lost
@@ -199,8 +204,8 @@ def _log_judgement(
 
 
 def newest_committed(ckpt_dir: Path) -> CommittedCheckpoint | None:
-    """The newest checkpoint directory with a valid manifest (committed; not hashed here:
-    resume verifies it)."""
+    """The newest checkpoint directory by progress (runner/supervisor/progress.py) with a
+    valid manifest (committed; not hashed here: resume verifies it)."""
     try:
         entries = list(ckpt_dir.iterdir())
     except OSError:
@@ -209,13 +214,16 @@ def newest_committed(ckpt_dir: Path) -> CommittedCheckpoint | None:
         ((step, e) for e in entries if (step := parse_step_dir(e.name)) is not None),
         reverse=True,
     )
+    best: CommittedCheckpoint | None = None
     for step, step_dir in steps:
         try:
             manifest = read_manifest_dir(step_dir)
         except (OSError, RunnerError, ValueError):
             continue
-        return CommittedCheckpoint(step=step, path=step_dir, manifest=manifest)
-    return None
+        ckpt = CommittedCheckpoint(step=step, path=step_dir, manifest=manifest)
+        if newer(ckpt, best):
+            best = ckpt
+    return best
 
 
 def last_logged_step(run_dir: Path) -> int | None:

@@ -7,11 +7,15 @@ from typing import Protocol
 
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.runtime.lifecycle import ResumeSource
+from runner.storage.base import Storage
 
 
 class MirrorHook(ResumeSource, Protocol):
     """What the supervisor needs from the mirror (runner.mirror.Mirror fits): resume
-    resolution over it (runner.runtime.lifecycle), uploads."""
+    resolution over it (runner.runtime.lifecycle), uploads, and its `storage` (a run
+    re-based at a lower step de-commits the stale steps there: runner/supervisor/rebased.py)."""
+
+    storage: Storage
 
     def submit(self, ckpt: CommittedCheckpoint) -> None: ...
 

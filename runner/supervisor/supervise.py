@@ -44,7 +44,7 @@ from runner.errors import (
 from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
-from runner.runtime.lifecycle import ResumePoint, find_resume, report_resume
+from runner.runtime.lifecycle import ResumePoint, find_resume, report_resume, stop_deadline
 from runner.supervisor.adopt import payload_path
 from runner.supervisor.child import (
     DEFAULT_TAIL_LINES,
@@ -273,15 +273,15 @@ class Supervisor:
         self.commits.report_step()
         if code == EXIT_OK:
             log.info("trainer finished (exit 0)")
-            return self._unless_lost(
-                finish_mirrored(
+            with self.commits.final_upload(self.last_checkpoint, deadline=self._deadline()):
+                code = finish_mirrored(
                     self.last_checkpoint,
                     mirror=self.mirror,
                     stop=self.controller,
                     grace_seconds=self.config.grace_seconds,
                     run_dir=self.run_dir,
                 )
-            )
+            return self._unless_lost(code)
         if code == EXIT_PREEMPTED:
             log.warning("trainer exited 75 on its own (preempted); passing it on")
             return self._unless_lost(EXIT_PREEMPTED)
@@ -307,16 +307,20 @@ class Supervisor:
         the exit code says nothing, torchrun's)."""
         took = time.monotonic() - stop_sent_at
         judged = self.commits.judge_stop(code=code, killed=killed, mute_exit=mute)
-        return finish_stopped(
-            judged,
-            code=code,
-            killed=killed,
-            took=took,
-            mirror=self.mirror,
-            stop=self.controller,
-            grace_seconds=self.config.grace_seconds,
-            ckpt_dir=self.ckpt_dir,
-        )
+        with self.commits.final_upload(judged.ckpt, deadline=self._deadline()):
+            return finish_stopped(
+                judged,
+                code=code,
+                killed=killed,
+                took=took,
+                mirror=self.mirror,
+                stop=self.controller,
+                grace_seconds=self.config.grace_seconds,
+                ckpt_dir=self.ckpt_dir,
+            )
+
+    def _deadline(self) -> float | None:
+        return stop_deadline(self.controller, grace_seconds=self.config.grace_seconds)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _scan(self) -> None:

@@ -1,9 +1,16 @@
 """What the supervised trainer has committed so far: its seed files adopted as they appear
 (metrics, mirror, retention), its step followed in loss.jsonl, the newest checkpoint, and the
-newest step there was when a stop was forwarded (what a final checkpoint must be newer than)."""
+newest step there was when a stop was forwarded (what a final checkpoint must be newer than).
+"Newest" is by progress (runner/supervisor/progress.py): a run re-based at a lower step (resumed
+at more ranks) is followed, and its mirror's stale higher steps de-committed
+(runner/supervisor/rebased.py)."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from runner.checkpoint.layout import parse_seed_bin
@@ -14,6 +21,10 @@ from runner.storage.file import FileStorage
 from runner.supervisor.adopt import Adopted, SeedAdopter
 from runner.supervisor.ending import StopJudgement, judge_stop, last_logged_step, newest_committed
 from runner.supervisor.hooks import MetricsHook, MirrorHook
+from runner.supervisor.progress import Progress, newer, newest_of
+from runner.supervisor.rebased import RebaseFollower
+
+log = logging.getLogger("runner.supervisor.supervise")
 
 
 class CommitTracker:
@@ -35,6 +46,8 @@ class CommitTracker:
         self.last_checkpoint: CommittedCheckpoint | None = None
         # the newest step committed or waiting to be adopted when the stop was forwarded
         self.step_at_stop: int | None = None
+        self.samples_at_stop = 0  # and its samples_seen (0: unknown, ordered by step)
+        self.rebase = RebaseFollower(mirror.storage) if mirror is not None else None
         self._loss = LossFollower(run_dir)
         self._step_from_loss = False
         # steps adopted by this process: retention need not re-hash them
@@ -42,9 +55,21 @@ class CommitTracker:
 
     def seen(self, ckpt: CommittedCheckpoint) -> None:
         """`ckpt` (resumed from, or committed by a runner child itself) counts as the newest
-        when it is newer than every one seen so far."""
-        if self.last_checkpoint is None or ckpt.step > self.last_checkpoint.step:
-            self.last_checkpoint = ckpt
+        when it is newer (by progress) than every one seen so far."""
+        self._take(ckpt)
+
+    def _take(self, ckpt: CommittedCheckpoint) -> bool:
+        """Record `ckpt` as the newest when it is; a lower step than the one recorded
+        before is a re-base, followed in the mirror."""
+        previous = self.last_checkpoint
+        if not newer(ckpt, previous):
+            return False
+        self.last_checkpoint = ckpt
+        if self.rebase is not None and previous is not None:
+            over = self.rebase.over if self.rebase.pending else previous.step
+            if ckpt.step < over:  # a re-base, or a newer checkpoint still below its stale steps
+                self.rebase.begin(ckpt, over=over)
+        return True
 
     def adopt(self, *, settled: bool, stopping: bool) -> list[Adopted]:
         """Adopt the trainer's seed files (`settled`: it has exited, none is still being
@@ -78,14 +103,69 @@ class CommitTracker:
         """A checkpoint dir the trainer committed itself (a runner child such as `runner
         demo`, or its ranks under torchrun: every rank's files under rank 0's manifest) counts
         as the newest once its manifest is in place and, unless `stopping`, is mirrored."""
+        self._follow_rebase(stopping=stopping)
         newest = newest_committed(self.ckpt_dir)
-        if newest is None:
+        if newest is None or not self._take(newest):
             return
-        if self.last_checkpoint is not None and newest.step <= self.last_checkpoint.step:
-            return
-        self.last_checkpoint = newest
         if self.mirror is not None and not stopping:
-            self.mirror.submit(newest)  # the final one is uploaded when the stop ends
+            self._submit(newest)  # the final one is uploaded when the stop ends
+
+    def _submit(self, ckpt: CommittedCheckpoint) -> None:
+        """Mirror `ckpt`; during a re-base, its candidate first (the newer ones may collide
+        with the stale steps until it landed)."""
+        assert self.mirror is not None
+        rebase = self.rebase
+        if rebase is None or rebase.candidate is None:
+            self.mirror.submit(ckpt)
+        elif not rebase.submitted:
+            rebase.clear_step(rebase.candidate)
+            self.mirror.submit(rebase.candidate)
+            rebase.submitted = True
+
+    def _follow_rebase(self, *, stopping: bool) -> None:
+        """While the mirror is idle: a candidate that landed de-commits the stale steps and
+        the newest checkpoint follows; one that did not is submitted again with the next."""
+        rebase = self.rebase
+        if rebase is None or not rebase.pending or not rebase.submitted or self.mirror is None:
+            return
+        if not self.mirror.wait_idle(0):
+            return
+        candidate = rebase.candidate
+        if rebase.settle():
+            newest = self.last_checkpoint
+            if newest is not None and newest is not candidate and not stopping:  # newer ones
+                self.mirror.submit(newest)
+            return
+        step = candidate.step if candidate is not None else None
+        log.warning(
+            "mirror: re-based step %s did not reach the mirror; retried with the next", step
+        )
+        rebase.submitted = False
+
+    @contextmanager
+    def final_upload(
+        self, ckpt: CommittedCheckpoint | None, *, deadline: float | None
+    ) -> Iterator[None]:
+        """Around the final upload of `ckpt` (runner.supervisor.ending): during a re-base its
+        candidate goes first (`ckpt` would collide with a stale step otherwise), and once
+        `ckpt` is in, the stale steps above it go."""
+        rebase = self.rebase
+        if rebase is None or self.mirror is None or ckpt is None or not rebase.pending:
+            yield
+            return
+        self.mirror.wait_idle(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        candidate = rebase.candidate
+        if not rebase.settle() and candidate is not None:
+            if candidate.step != ckpt.step and candidate.path.is_dir():
+                rebase.clear_step(candidate)
+                if self.mirror.upload_now(candidate, deadline=deadline):
+                    rebase.settle()
+            else:
+                rebase.begin(ckpt, over=rebase.over)
+                rebase.clear_step(ckpt)
+        yield
+        if rebase.pending:
+            rebase.settle()
 
     def report_step(self) -> None:
         """The trainer's step, from its loss.jsonl when it keeps one."""
@@ -100,12 +180,11 @@ class CommitTracker:
         # the stop. A seed file renamed into place but not adopted yet was written before it.
         committed = newest_committed(self.ckpt_dir)
         steps = [parse_seed_bin(p.name) for p in self.adopter.pending()]
-        known = [s for s in steps if s is not None]
-        if committed is not None:
-            known.append(committed.step)
-        if self.last_checkpoint is not None:
-            known.append(self.last_checkpoint.step)
-        self.step_at_stop = max(known, default=None)
+        known = [Progress(step=s, samples=0) for s in steps if s is not None]
+        known += [Progress.of(c) for c in (committed, self.last_checkpoint) if c is not None]
+        newest = newest_of(known)
+        self.step_at_stop = newest.step if newest is not None else None
+        self.samples_at_stop = newest.samples if newest is not None else 0
 
     def judge_stop(self, *, code: int, killed: bool, mute_exit: bool = False) -> StopJudgement:
         """What stands now that the stopped trainer exited (runner.supervisor.ending), a
@@ -117,6 +196,7 @@ class CommitTracker:
         return judge_stop(
             self.last_checkpoint,
             step_at_stop=self.step_at_stop,
+            samples_at_stop=self.samples_at_stop,
             code=code,
             killed=killed,
             logged=last_logged_step(self.run_dir),
