@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from runner.checkpoint.aside import set_aside_local
 from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.manifest import FORMAT_SEED_BIN
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
-from runner.errors import EXIT_PREEMPTED
+from runner.errors import EXIT_PREEMPTED, StorageError
 from runner.mirror import Mirror
 from runner.storage.file import FileStorage
 from runner.supervisor.tracking import CommitTracker
@@ -143,3 +144,45 @@ def test_a_lower_step_with_the_same_samples_is_not_fresh_while_the_resumed_dir_s
     tracker.follow_committed(stopping=False)
     assert _bucket(bucket) == {10: (80, 2)}
     assert _aside(bucket) == ["step_000010", "step_000015", "step_000020"]
+
+
+class FakeFailingPutsStorage(FileStorage):
+    """A file:// bucket whose file uploads fail while `failing` (a store that is down)."""
+
+    failing = False
+
+    def put_file(self, key: str, src: Path, **kw: Any) -> None:  # type: ignore[override]
+        if self.failing:
+            raise StorageError(f"{self.uri}/{key}: injected upload failure")
+        super().put_file(key, src, **kw)
+
+
+def test_fake_failing_store_a_rebase_upload_that_fails_leaves_the_bucket_as_it_is(
+    tmp_path: Path,
+) -> None:
+    """The candidate's step is free in the bucket: nothing is de-committed before it lands,
+    and nothing after a failed upload; once the store is back it lands and the stale go."""
+    bucket = FakeFailingPutsStorage(tmp_path / "bucket")
+    mirror = Mirror(bucket, keep=10, writer_id="sup")
+    for step, samples in OLD.items():
+        assert mirror.upload_now(_commit(tmp_path / "old", step, samples, 1))
+    run_dir = tmp_path / "run"
+    writer = CheckpointWriter(run_dir / "checkpoints", run_id="run-1", writer_id="sup")
+    tracker = CommitTracker(run_dir, writer=writer, keep=10, mirror=mirror, metrics=None)
+    tracker.seen(_commit(run_dir, 20, 80, 1))
+    _rebase_locally(run_dir)
+    _commit(run_dir, 12, 96, 2)
+    bucket.failing = True
+    tracker.follow_committed(stopping=False)
+    assert mirror.wait_idle(30)
+    tracker.follow_committed(stopping=False)  # idle, not landed: left as it is
+    assert tracker.last_checkpoint is not None and tracker.last_checkpoint.step == 12
+    assert _bucket(bucket) == {10: (40, 1), 15: (60, 1), 20: (80, 1)}
+    assert _aside(bucket) == []
+    bucket.failing = False
+    _commit(run_dir, 14, 112, 2)  # the next checkpoint: the candidate now, submitted again
+    tracker.follow_committed(stopping=False)
+    assert mirror.wait_idle(30)
+    tracker.follow_committed(stopping=False)
+    assert _bucket(bucket) == {10: (40, 1), 14: (112, 2)}
+    assert _aside(bucket) == ["step_000015", "step_000020"]
