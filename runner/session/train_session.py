@@ -366,14 +366,17 @@ class TrainSession:
                 self.config.steps,
             )
         self.policy = self._policy(start_step=counters.step)
-        if point.manifest.world_size != counters.world_size:
+        resized = point.manifest.world_size != counters.world_size
+        if resized:
             self._history_logged = len(self.state.loss_history)
         report_resume(
             point,
             run_dir=self.run_dir,
             loss_log=self.loss_log,
             metrics=self.metrics,
-            history=self.state.loss_history,
+            # the history counts steps of the world size that wrote it: after a rescale its
+            # indices are no step numbers of this run's loss.jsonl, so nothing is backfilled
+            history=self.state.loss_history if not resized else None,
             counters=counters,
             announce=self.rank.acts_as_primary,
             logger=log,

@@ -105,7 +105,10 @@ class ModuleTrainState:
             restore_rng=restore_rng,
             load_modules=load_modules,
         )
-        self.loss_history = [float(x) for x in state.get("loss_history", [])]
+        history = [float(x) for x in state.get("loss_history", [])]
+        # A resume at more ranks rescaled the step down: the history counts the old size's
+        # steps, so the part past the new step would claim steps this run has not taken.
+        self.loss_history = history[: self.counters.step]
         return self.counters
 
     def load_into(
