@@ -75,7 +75,10 @@ def _wait_2rank_past(s: Supervised, run_dir: Path, step: int, timeout: float = 1
     end = time.monotonic() + timeout
     while True:
         for path in sorted((run_dir / "checkpoints").glob("step_*/manifest.json")):
-            with_step = json.loads(path.read_text())
+            try:
+                with_step = json.loads(path.read_text())
+            except FileNotFoundError:  # set aside (the re-base) or pruned since the glob
+                continue
             if with_step["world_size"] == 2 and with_step["step"] > step:
                 return int(with_step["step"])
         assert s.proc.poll() is None, f"exited {s.proc.returncode}:\n{s.err}"
