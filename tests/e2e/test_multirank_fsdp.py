@@ -34,9 +34,10 @@ from tests.fixtures.multirank import (
     demo_args,
     final_fingerprint,
     rank_exits,
+    straight_run,
     wait_until,
 )
-from tests.fixtures.torchrun import Torchrun, start_torchrun
+from tests.fixtures.torchrun import Torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -49,17 +50,8 @@ DATA_FILES = ("__0_0.distcp", "__1_0.distcp")
 def straight_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Straight]:
     """One uninterrupted 2-rank fsdp run of STEPS steps."""
     base = tmp_path_factory.mktemp("straight-fsdp")
-    launch = start_torchrun(2, demo_args(base / "run", *FSDP, steps=STEPS), log_dir=base / "logs")
-    try:
-        assert launch.wait(180) == 0, launch.output()
-        assert rank_exits(launch) == {0: 0, 1: 0}, launch.output()
-        step, fingerprint = final_fingerprint(launch.rank_stderr(0))
-        assert step == STEPS and checkpoint_steps(base / "run")[-1] == STEPS
-        final = manifest(base / "run", STEPS)
-        assert final["fingerprint"] == fingerprint and final["world_size"] == 2
-        yield Straight(base / "run", fingerprint, LossLog(base / "run").read(), final)
-    finally:
-        launch.stop()
+    with straight_run(base, demo_args(base / "run", *FSDP, steps=STEPS), steps=STEPS) as straight:
+        yield straight
 
 
 def optimizer_shards(step_dir: Path) -> dict[str, list[tuple[str, int, int]]]:

@@ -6,16 +6,12 @@ files), and the supervisor exits 75; the same command then resumes from it and f
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from runner.checkpoint.listing import list_checkpoints
 from runner.storage.file import FileStorage
@@ -31,28 +27,6 @@ CKPT_EVERY = 4
 # the checkpoint), so the resumed run ends here too. 25-100 ms a step on two CPU cores: long
 # enough that the stop, sent once a checkpoint is in the mirror, lands before the end.
 SHORT_STEPS = 200
-
-
-@pytest.fixture
-def launch() -> Iterator[list[Supervised]]:
-    """Supervisors started by a test; on teardown each is SIGKILLed and so is every session
-    it left (torchrun's and each rank's own)."""
-    started: list[Supervised] = []
-    yield started
-    for s in started:
-        tree = _tree(s.proc.pid)
-        s.kill()
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-
-
-def _tree(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        found += (kids := [k for p in todo for k in children(p)])
-        todo = kids
-    return found
 
 
 def _start(
@@ -123,10 +97,10 @@ def _assert_resumes(started: list[Supervised], run_dir: Path, mirror: Path, fina
 
 
 def test_sigterm_to_runner_run_stops_both_ranks_with_one_final_dcp_checkpoint(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
-    s = _start(launch, run_dir, mirror, SHORT_STEPS)
+    s = _start(supervised_launches, run_dir, mirror, SHORT_STEPS)
     _wait_committed(s, run_dir, CKPT_EVERY)
     # a periodic checkpoint is mirrored while the ranks train, not only the final one (the
     # newest queued wins: under load the first one mirrored may be a later one)
@@ -138,16 +112,16 @@ def test_sigterm_to_runner_run_stops_both_ranks_with_one_final_dcp_checkpoint(
     s.proc.send_signal(signal.SIGTERM)
     assert s.wait(180) == 75, s.err
     final = _assert_final(s, run_dir, mirror, after=CKPT_EVERY)
-    _assert_resumes(launch, run_dir, mirror, final)
+    _assert_resumes(supervised_launches, run_dir, mirror, final)
 
 
 def test_sigterm_to_one_rank_stops_every_rank_and_runner_run_exits_75(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """Only rank 1 gets SIGTERM: the ranks agree on it, each exits 75, torchrun exits 1 with
     its failure summary, and the supervisor passes on 75 instead of restarting."""
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
-    s = _start(launch, run_dir, mirror, STEPS)
+    s = _start(supervised_launches, run_dir, mirror, STEPS)
     _wait_committed(s, run_dir, CKPT_EVERY)
     os.kill(_ranks(s)[1], signal.SIGTERM)
     assert s.wait(180) == 75, s.err
@@ -171,13 +145,13 @@ def _wait_logged(s: Supervised, run_dir: Path, step: int, timeout: float = 180) 
 
 
 def test_sigusr1_checkpoints_both_ranks_and_they_train_on(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """No periodic checkpoints: SIGUSR1 to the supervisor reaches the workers (not torchrun,
     which it would kill) and gives one checkpoint of world size 2; the ranks train on, and
     the stop's final checkpoint comes later."""
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
-    s = _start(launch, run_dir, mirror, STEPS, ckpt_every=0)
+    s = _start(supervised_launches, run_dir, mirror, STEPS, ckpt_every=0)
     _wait_logged(s, run_dir, 2)
     s.proc.send_signal(signal.SIGUSR1)
     end = time.monotonic() + 120

@@ -11,7 +11,6 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,6 @@ from tests.fixtures.supervised import Supervised
 pytestmark = pytest.mark.e2e
 
 BATCH = 4
-
-
-@pytest.fixture
-def launch() -> Iterator[list[Supervised]]:
-    started: list[Supervised] = []
-    yield started
-    for s in started:
-        s.kill()
 
 
 def _start(
@@ -87,16 +78,16 @@ def _wait_2rank_past(s: Supervised, run_dir: Path, step: int, timeout: float = 1
 
 
 def test_resumed_at_2_ranks_the_bucket_follows_the_rebase_and_resumes_alone(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """The reviewer's reproduction: a finished 1-rank run (step 20, 80 samples) resumed at 2
     ranks is the same state at step 10; it must become the bucket's newest."""
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
-    first = _start(launch, run_dir, mirror, ranks=1, steps=20)
+    first = _start(supervised_launches, run_dir, mirror, ranks=1, steps=20)
     assert first.wait(300) == 0, first.err
     assert max(_bucket(mirror)) == 20 and _bucket(mirror)[20] == (80, 1)
 
-    resized = _start(launch, run_dir, mirror, ranks=2, steps=20)
+    resized = _start(supervised_launches, run_dir, mirror, ranks=2, steps=20)
     assert resized.wait(300) == 0, resized.err
     bucket = _bucket(mirror)
     assert max(bucket) == 10 and bucket[10] == (80, 2), bucket
@@ -108,7 +99,7 @@ def test_resumed_at_2_ranks_the_bucket_follows_the_rebase_and_resumes_alone(
     _verify(mirror)
 
     shutil.rmtree(run_dir)  # the bucket alone
-    again = _start(launch, run_dir, mirror, ranks=2, steps=20)
+    again = _start(supervised_launches, run_dir, mirror, ranks=2, steps=20)
     assert again.wait(300) == 0, again.err
     assert f"resuming from step 10, downloaded from {mirror.as_uri()}" in again.err, again.err
     assert final_fingerprint(again.err) == ended  # the final state, nothing trained
@@ -131,14 +122,14 @@ LOSS_BACKFILL_DEFECT = "steps up to {stopped} it logged after it are lost"
     "past", [False, True], ids=["final-below-the-1-rank-steps", "final-past-them"]
 )
 def test_a_stop_during_the_rescaled_run_exits_75_with_its_final_checkpoint_the_buckets_newest(
-    launch: list[Supervised], tmp_path: Path, past: bool
+    supervised_launches: list[Supervised], tmp_path: Path, past: bool
 ) -> None:
     """A 1-rank run stopped at N (>= 20), resumed at 2 ranks (step N // 2) and stopped again
     after a 2-rank checkpoint numbered above N // 2 (`past`: above N): 75, the final
     checkpoint is the bucket's newest by step, the 1-rank steps above the re-based lineage
     are de-committed, and every checkpoint numbered above N // 2 is a 2-rank one."""
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
-    first = _start(launch, run_dir, mirror, ranks=1, steps=200)
+    first = _start(supervised_launches, run_dir, mirror, ranks=1, steps=200)
     manifest = run_dir / "checkpoints" / "step_000020" / "manifest.json"
     end = time.monotonic() + 180
     while not manifest.exists():
@@ -149,7 +140,7 @@ def test_a_stop_during_the_rescaled_run_exits_75_with_its_final_checkpoint_the_b
     stopped = max(_bucket(mirror))
     assert stopped >= 20 and _bucket(mirror)[stopped] == (stopped * BATCH, 1)
 
-    resized = _start(launch, run_dir, mirror, ranks=2, steps=200)
+    resized = _start(supervised_launches, run_dir, mirror, ranks=2, steps=200)
     rescaled = stopped // 2
     _wait_2rank_past(resized, run_dir, stopped if past else rescaled)
     resized.proc.send_signal(signal.SIGTERM)

@@ -6,12 +6,9 @@ the demo (tests/e2e/test_run_torchrun.py runs the demo)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,6 @@ import pytest
 from runner.supervisor.torchrun import SHUTDOWN_TIMEOUT_ENV, Torchrun, is_torchrun
 from tests.fixtures.cli_process import runner
 from tests.fixtures.supervised import Supervised
-from tests.fixtures.torchrun import children
 
 WORKER = r"""
 import os, signal, sys, time
@@ -58,28 +54,6 @@ while time.monotonic() < end:
     time.sleep(0.02)
 sys.exit(4)
 """
-
-
-@pytest.fixture
-def launch(tmp_path: Path) -> Iterator[list[Supervised]]:
-    """Supervisors started by a test; on teardown each is SIGKILLed and so is every session
-    it left (torchrun's and each worker's: none of them is in the supervisor's group)."""
-    started: list[Supervised] = []
-    yield started
-    for s in started:
-        tree = _tree(s.proc.pid)
-        s.kill()
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-
-
-def _tree(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        found += (kids := [k for p in todo for k in children(p)])
-        todo = kids
-    return found
 
 
 def _start(
@@ -151,13 +125,13 @@ def test_torchruns_one_is_its_workers_code_only_when_every_failed_worker_it_ran_
 
 
 def test_sigusr1_reaches_every_worker_and_torchrun_survives_it(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """SIGUSR1 right after the start, before any worker has a handler: held until they do
     (torchrun would die of it, a worker still starting too), then sent to each worker; they
     exit 0 once they got it, so torchrun exits 0. The lock token and torchrun's shutdown
     timeout (the grace period, rounded up) reach the workers through torchrun."""
-    s, out = _start(launch, tmp_path, "usr1", "--grace-seconds", "41.5")
+    s, out = _start(supervised_launches, tmp_path, "usr1", "--grace-seconds", "41.5")
     _wait_started(s)
     s.proc.send_signal(signal.SIGUSR1)
     assert s.wait(90) == 0, s.err
@@ -178,17 +152,19 @@ def _wait_started(s: Supervised, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
-def test_a_shutdown_timeout_the_user_set_is_kept(launch: list[Supervised], tmp_path: Path) -> None:
-    s, out = _start(launch, tmp_path, "exit75", **{SHUTDOWN_TIMEOUT_ENV: "7"})
+def test_a_shutdown_timeout_the_user_set_is_kept(
+    supervised_launches: list[Supervised], tmp_path: Path
+) -> None:
+    s, out = _start(supervised_launches, tmp_path, "exit75", **{SHUTDOWN_TIMEOUT_ENV: "7"})
     assert s.wait(90) == 75, s.err
     assert f"{SHUTDOWN_TIMEOUT_ENV}=7" in (out / "env.0.1").read_text()
 
 
 def test_workers_that_all_exit_75_end_the_run_with_75_not_a_restart(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """torchrun exits 1 with its failure summary; both workers exited 75: passed on."""
-    s, _ = _start(launch, tmp_path, "exit75", "--max-restarts", "3")
+    s, _ = _start(supervised_launches, tmp_path, "exit75", "--max-restarts", "3")
     assert s.wait(90) == 75, s.err
     assert "exitcode  : 75" in s.err  # torchrun's own summary, passed through
     assert "torchrun exited 1 because its workers exited 75" in s.err
@@ -196,23 +172,30 @@ def test_workers_that_all_exit_75_end_the_run_with_75_not_a_restart(
     assert s.err.count("started trainer pid") == 1
 
 
-def test_a_worker_crash_restarts_torchrun(launch: list[Supervised], tmp_path: Path) -> None:
+def test_a_worker_crash_restarts_torchrun(
+    supervised_launches: list[Supervised], tmp_path: Path
+) -> None:
     """Rank 1 exits 1 in the first attempt: torchrun exits 1, restarted; the second one
     finishes."""
-    s, out = _start(launch, tmp_path, "crash-once", "--max-restarts", "2")
+    s, out = _start(supervised_launches, tmp_path, "crash-once", "--max-restarts", "2")
     assert s.wait(120) == 0, s.err
     assert s.err.count("started trainer pid") == 2
     assert sorted(p.name for p in out.glob("pid.*")) == ["pid.0.1", "pid.0.2", "pid.1.1", "pid.1.2"]
 
 
 def test_workers_that_ignore_the_stop_are_killed_at_the_deadline(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """The workers ignore SIGTERM; torchrun's own SIGKILL would come 30 s later (the user set
     that): the supervisor kills each worker's session and torchrun at its deadline, and with
     no final checkpoint the run exits 1."""
     s, out = _start(
-        launch, tmp_path, "hang", "--grace-seconds", "4", **{SHUTDOWN_TIMEOUT_ENV: "30"}
+        supervised_launches,
+        tmp_path,
+        "hang",
+        "--grace-seconds",
+        "4",
+        **{SHUTDOWN_TIMEOUT_ENV: "30"},
     )
     pids = [int(p.read_text()) for p in _wait_files(out, "pid.*", 2)]
     time.sleep(0.5)  # past the handler's installation
@@ -227,11 +210,11 @@ def test_workers_that_ignore_the_stop_are_killed_at_the_deadline(
 
 
 def test_sigint_reaches_every_worker_as_sigint_through_torchrun(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """SIGINT to the supervisor goes to torchrun, which passes SIGINT on to each worker. The
     workers exit 75 without a checkpoint: no final one stands, so the run exits 1."""
-    s, out = _start(launch, tmp_path, "stop")
+    s, out = _start(supervised_launches, tmp_path, "stop")
     _wait_files(out, "pid.*", 2)
     time.sleep(0.5)  # past the handlers' installation
     s.proc.send_signal(signal.SIGINT)
@@ -245,7 +228,7 @@ def test_sigint_reaches_every_worker_as_sigint_through_torchrun(
 
 
 def _stop_after_resume(
-    launch: list[Supervised], tmp_path: Path, mode: str, *, loss_log: bool = True
+    supervised_launches: list[Supervised], tmp_path: Path, mode: str, *, loss_log: bool = True
 ) -> Supervised:
     """A run dir with step 2 committed by a lone `runner demo` (loss.jsonl logs steps 1-2),
     then `runner run -- torchrun` on it, whose workers exit 75 on the SIGTERM torchrun passes
@@ -258,36 +241,36 @@ def _stop_after_resume(
     assert demo.returncode == 0, demo.stderr
     if not loss_log:
         (run_dir / "loss.jsonl").unlink()
-    s, out = _start(launch, tmp_path, mode)
+    s, out = _start(supervised_launches, tmp_path, mode)
     _wait_files(out, "pid.*", 2)
     s.proc.send_signal(signal.SIGTERM)
     return s
 
 
 def test_ranks_stopped_while_resuming_exit_75_though_torchrun_exits_1(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """torchrun got the stop itself: no failure summary, exit 1 whatever its workers did. The
     checkpoint resumed from holds every step the loss log has: it is the final one, 75."""
-    s = _stop_after_resume(launch, tmp_path, "stop")
+    s = _stop_after_resume(supervised_launches, tmp_path, "stop")
     assert s.wait(60) == 75, s.err
     assert "final (already committed before the stop) checkpoint: step 2" in s.err
 
 
 def test_a_step_logged_past_the_checkpoint_makes_the_stop_exit_1(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """Rank 0 logs step 3 before it exits: that step is lost, no final checkpoint stands."""
-    s = _stop_after_resume(launch, tmp_path, "stop-logged")
+    s = _stop_after_resume(supervised_launches, tmp_path, "stop-logged")
     assert s.wait(60) == 1, s.err
     assert "steps up to 3 it logged after it are lost" in s.err
 
 
 def test_without_a_loss_log_torchruns_1_after_a_stop_is_not_taken_as_clean(
-    launch: list[Supervised], tmp_path: Path
+    supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
     """Nothing says what the workers did since the checkpoint: 1, as for any trainer that
     exits 1 on a stop without committing a final checkpoint."""
-    s = _stop_after_resume(launch, tmp_path, "stop", loss_log=False)
+    s = _stop_after_resume(supervised_launches, tmp_path, "stop", loss_log=False)
     assert s.wait(60) == 1, s.err
     assert "without committing a final checkpoint" in s.err
