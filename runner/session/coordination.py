@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.writer import CommittedCheckpoint
@@ -160,8 +160,3 @@ def target_samples(
     if resumed is not None and resumed.step > 0 and resumed.samples_seen > 0:
         return steps * (resumed.samples_seen // resumed.step)
     return steps * global_batch if global_batch else None
-
-
-def broadcast_value(group: Group, value: Any) -> Any:
-    """Rank 0's `value` on every rank."""
-    return group.broadcast(value if group.rank == 0 else None)
