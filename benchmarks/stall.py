@@ -20,13 +20,14 @@ the other in the same process, so that each figure sees the same machine:
   dcp cached    the same with FileSystemWriter(cache_staged_state_dict=True), DCP's own reused
                 staging buffers (they are pinned: unavailable without an accelerator)
 
-then training throughput: the model trained in a real loop under a TrainSession (loss log,
-retention, the policy's cadence) with a checkpoint every N steps in async mode, in sync mode,
-and with no checkpoints. N is chosen so that a sync save would cost ~10% of the steps' time
-(N = sync save / (0.1 x step time), measured above) unless --every says. Each mode runs
-(1 + --cycles) x N steps; the first N (and their save's stall) are the warm-up, the figure is
-steps/s over the other cycles x N steps (each of their saves' stall and background work falls
-inside them). --rounds repeats the three modes, the order rotated.
+then training throughput: the model trained in a real loop, one TrainSession per mode on the
+same state (loss log, retention, the policy's cadence): a checkpoint every N steps in async
+mode, in sync mode, and none. N is chosen so that a sync save would cost ~10% of the steps'
+time (N = sync save / (0.1 x step time), measured above) unless --every says. The modes take
+turns of N steps, one each per round, the order rotated every round (a drifting machine slows
+them alike; each round's ratios compare neighbours in time); a turn begins with its mode's
+save, so that an async save's background half runs in its own turn. Round 0 is a warm-up
+(first saves allocate); --cycles rounds are counted.
 
 The loop and every copy use --threads torch threads (default 1: on a 2-core machine the other
 core is left to the background save; it still competes for memory bandwidth and the GIL).
@@ -135,6 +136,14 @@ def vm_rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+_STARTED = time.perf_counter()
+
+
+def _progress(message: str) -> None:
+    """Where a long run is (stderr, so that --json's stdout stays JSON)."""
+    print(f"[{time.perf_counter() - _STARTED:6.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -308,45 +317,69 @@ def measure_dcp(bench: Bench, base: Path, *, saves: int, cached: bool) -> Result
     return {"stall_seconds": stalls, "persist_seconds": persist}
 
 
-def measure_training(
-    bench: Bench, base: Path, *, mode: str, every: int, cycles: int, round_no: int
-) -> Results:
-    """Steps/s of the loop under a TrainSession saving every `every` steps (mode async or
-    sync) or never (none), over the `cycles` x `every` steps after the first `every`."""
+def measure_training(bench: Bench, base: Path, *, every: int, cycles: int) -> Results:
+    """Steps/s of the loop under three TrainSessions on the same state, one per mode: a
+    checkpoint every `every` steps in async mode, in sync mode, and none.
+
+    The modes take turns of `every` steps (a round: one turn each, the order rotated every
+    round), so that a machine whose speed drifts slows them alike and each round's ratios
+    compare neighbours in time. A turn starts at a multiple of `every`: a saving mode saves
+    after its turn's first step, and an async save's background half runs inside its own
+    turn (`persisted_in_turn` says whether it ended there). Round 0 is the warm-up (the first
+    saves allocate, the page cache settles) and is not counted."""
     bench.fresh_counters()
-    run_dir = base / f"train-{mode}-{round_no}"
-    config = RunConfig(
-        run_dir=run_dir,
-        ckpt_every=None if mode == "none" else every,
-        save_mode="sync" if mode == "sync" else "async",
-        keep=2,
-        writer_id=f"bench-{mode}",
-    )
-    total = (1 + cycles) * every
-    done_at: list[float] = []
+    sessions: dict[str, TrainSession] = {}
+    try:
+        for mode in MODES:
+            config = RunConfig(
+                run_dir=base / f"train-{mode}",
+                ckpt_every=None if mode == "none" else every,
+                save_mode="sync" if mode == "sync" else "async",
+                keep=2,
+                writer_id=f"bench-{mode}",
+            )
+            sessions[mode] = TrainSession(config, state=bench.state)
+            sessions[mode].restore()  # a fresh run dir: nothing to restore
+        for _ in range(every - 1):  # to the first multiple of `every`
+            bench.step()
+            sessions["none"].step_done()
+        rounds: list[Results] = []
+        for round_no in range(1 + cycles):
+            one: Results = {}
+            for i in range(len(MODES)):
+                mode = MODES[(i + round_no) % len(MODES)]
+                one[mode] = _turn(bench, sessions[mode], mode=mode, steps=every)
+            rounds.append({mode: one[mode] for mode in MODES})
+    finally:
+        for session in sessions.values():
+            session.close()  # a save in flight ends; no final checkpoint (not part of a turn)
+        for mode in MODES:
+            shutil.rmtree(base / f"train-{mode}", ignore_errors=True)
+    return {"warmup": rounds[0], "rounds": rounds[1:]}
+
+
+def _turn(bench: Bench, session: TrainSession, *, mode: str, steps: int) -> Results:
     stalls: list[float] = []
     gc.collect()
-    session = TrainSession(config, state=bench.state)
-    try:
-        session.restore()  # a fresh run dir: nothing to restore
-        for _ in range(total):
-            bench.step()
-            session.step_done()
-            done_at.append(time.perf_counter())
-            if mode != "none" and session.step % every == 0:
-                assert session.last_stall_seconds is not None
-                stalls.append(session.last_stall_seconds)
-    finally:
-        session.close()  # a save in flight ends; no final checkpoint (not part of the loop)
-        shutil.rmtree(run_dir, ignore_errors=True)
-    window = done_at[total - 1] - done_at[every - 1]
-    steps = cycles * every
-    return {
+    started = time.perf_counter()
+    for _ in range(steps):
+        bench.step()
+        session.step_done()
+        if mode != "none" and session.step % steps == 0:
+            assert session.last_stall_seconds is not None
+            stalls.append(session.last_stall_seconds)
+    seconds = time.perf_counter() - started
+    turn: Results = {
         "steps": steps,
-        "seconds": window,
-        "steps_per_second": steps / window,
+        "seconds": seconds,
+        "steps_per_second": steps / seconds,
         "stall_seconds": stalls,
     }
+    if mode == "async":
+        saver = session.checkpointer.saver
+        assert isinstance(saver, BackgroundSaver)
+        turn["persisted_in_turn"] = not saver.in_flight
+    return turn
 
 
 def verify_same_state(bench: Bench, async_dir: Path, sync_dir: Path) -> Results:
@@ -381,37 +414,37 @@ def run(args: argparse.Namespace, base: Path) -> Results:
             "cpus": os.cpu_count(),
         }
     }
+    _progress(f"state built: {bench.params:,} parameters; steps")
     results["steps"] = measure_steps(bench, steps=args.step_samples)
+    _progress("copy into preallocated buffers")
     results["copy"] = measure_copy(bench, rounds=args.copies)
+    _progress(f"{args.sync_saves} sync saves")
     results["sync"], sync_dir = measure_sync(bench, base / "sync", saves=args.sync_saves)
+    _progress(f"{args.saves} async saves, then {args.back_to_back} back to back")
     results["async"], async_dir = measure_async(
         bench, base / "async", saves=args.saves, back_to_back=args.back_to_back
     )
+    _progress("verifying the newest async and sync checkpoints")
     results["checks"] = verify_same_state(bench, async_dir, sync_dir)
     shutil.rmtree(base / "sync")
     shutil.rmtree(base / "async")
+    _progress(f"{args.dcp_saves} DCP async_save, default stager, then cached")
     results["dcp"] = measure_dcp(bench, base, saves=args.dcp_saves, cached=False)
     results["dcp_cached"] = measure_dcp(bench, base, saves=args.dcp_saves, cached=True)
 
     step_seconds = statistics.median(results["steps"]["seconds"])
     sync_seconds = statistics.median(results["sync"]["seconds"])
     every = args.every or choose_every(sync_seconds, step_seconds)
-    rounds: list[Results] = []
-    for round_no in range(args.rounds):
-        one: Results = {}
-        for i in range(len(MODES)):
-            mode = MODES[(i + round_no) % len(MODES)]
-            one[mode] = measure_training(
-                bench, base, mode=mode, every=every, cycles=args.cycles, round_no=round_no
-            )
-        rounds.append({mode: one[mode] for mode in MODES})
+    _progress(f"training: {args.cycles} rounds of one {every}-step turn per mode (+ warm-up)")
+    training = measure_training(bench, base, every=every, cycles=args.cycles)
     results["training"] = {
         "every": every,
         "every_from": "--every" if args.every else "sync save / (0.1 x step time)",
         "cycles": args.cycles,
-        "rounds": rounds,
+        **training,
     }
     results["summary"] = summarise(results)
+    _progress("done")
     return results
 
 
@@ -459,12 +492,26 @@ def summarise(results: Results) -> Results:
         ratios = [r[mode]["steps_per_second"] / r["none"]["steps_per_second"] for r in rounds]
         summary[f"throughput_{mode}_over_none"] = statistics.median(ratios)
         summary[f"throughput_{mode}_over_none_rounds"] = ratios
-        in_loop = [s for r in rounds for s in r[mode]["stall_seconds"][1:]]
-        summary[f"training_{mode}_warm_stall_seconds"] = statistics.median(in_loop)
+        # all rounds together: steps over seconds, each mode's turns summed
+        totals = [sum(r[m][key] for r in rounds) for m in (mode, "none") for key in _RATE]
+        summary[f"throughput_{mode}_over_none_total"] = (totals[0] / totals[1]) / (
+            totals[2] / totals[3]
+        )
+        in_loop = [s for r in rounds for s in r[mode]["stall_seconds"]]
+        summary[f"training_{mode}_stall_seconds"] = statistics.median(in_loop)
+        summary[f"training_{mode}_first_stall_seconds"] = results["training"]["warmup"][mode][
+            "stall_seconds"
+        ][0]
+    summary["training_async_persisted_in_turn"] = sum(
+        r["async"]["persisted_in_turn"] for r in rounds
+    )
     summary["step_seconds"] = statistics.median(
         r["none"]["seconds"] / r["none"]["steps"] for r in rounds
     )
     return summary
+
+
+_RATE = ("steps", "seconds")
 
 
 def _ms(seconds: float) -> str:
@@ -523,21 +570,30 @@ def report(results: Results) -> list[str]:
         f"{s['rss_growth_later_saves_bytes'] / 1e6:+.1f} MB over the next "
         f"{len(results['async']['stall_seconds']) - 1} saves",
         f"training: a checkpoint every {training['every']} steps ({training['every_from']}), "
-        f"step {s['step_seconds'] * 1e3:.0f} ms, {training['cycles']} x {training['every']} "
-        f"steps timed per mode, {len(training['rounds'])} round(s)",
+        f"step {s['step_seconds'] * 1e3:.0f} ms; {len(training['rounds'])} rounds of one "
+        f"{training['every']}-step turn per mode (after a warm-up round)",
     ]
     for mode in MODES:
         rates = [r[mode]["steps_per_second"] for r in training["rounds"]]
-        line = f"{'  ' + mode:34} {statistics.median(rates):8.3f} steps/s"
+        line = f"{'  ' + mode:34} {statistics.median(rates):8.3f} steps/s (median turn)"
         if mode != "none":
-            line += f", in-loop warm stall {s[f'training_{mode}_warm_stall_seconds'] * 1e3:.1f} ms"
+            line += (
+                f", stall {s[f'training_{mode}_stall_seconds'] * 1e3:.0f} ms "
+                f"(first save {s[f'training_{mode}_first_stall_seconds'] * 1e3:.0f} ms)"
+            )
+        if mode == "async":
+            line += (
+                f", background save done within its turn {s['training_async_persisted_in_turn']}"
+                f"/{len(training['rounds'])}"
+            )
         lines.append(line)
     for mode in ("async", "sync"):
         each = ", ".join(f"{r:.3f}" for r in s[f"throughput_{mode}_over_none_rounds"])
         target = " (target >= 0.98x)" if mode == "async" else " (~0.91x by the choice of N)"
         lines.append(
             f"ratio: throughput {mode} / none{'':{12 - len(mode)}}"
-            f"{s[f'throughput_{mode}_over_none']:.3f}x{target}; per round {each}"
+            f"{s[f'throughput_{mode}_over_none']:.3f}x{target}; per round {each}; "
+            f"all rounds {s[f'throughput_{mode}_over_none_total']:.3f}x"
         )
     checks = results["checks"]
     same = checks["async_fingerprint_is_live"] and checks["sync_fingerprint_is_live"]
@@ -555,13 +611,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (loop, copies)")
     parser.add_argument("--saves", type=int, default=20, help="async saves (RSS read around)")
     parser.add_argument("--back-to-back", type=int, default=3)
-    parser.add_argument("--sync-saves", type=int, default=3)
-    parser.add_argument("--dcp-saves", type=int, default=3)
+    parser.add_argument("--sync-saves", type=int, default=4)
+    parser.add_argument("--dcp-saves", type=int, default=5)
     parser.add_argument("--copies", type=int, default=3, help="warm copies timed")
     parser.add_argument("--step-samples", type=int, default=3, help="steps timed to choose N")
     parser.add_argument("--every", type=int, default=None, help="N (default: chosen)")
-    parser.add_argument("--cycles", type=int, default=3, help="N-step cycles timed per mode")
-    parser.add_argument("--rounds", type=int, default=1, help="the three modes, rotated")
+    parser.add_argument("--cycles", type=int, default=3, help="rounds of N-step turns timed")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--dir", type=Path, default=None, help="scratch dir (default: tmp)")
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """benchmarks/stall.py still runs against the current code and reports every figure the README
-quotes (a tiny state: 15 Linear(115, 115) layers, 200,100 parameters; one cycle of 3 steps per
-training mode). This checks that each section measures what it says and that the checkpoints
-it made are real ones, not how fast anything is."""
+quotes (a tiny state: 15 Linear(115, 115) layers, 200,100 parameters; a warm-up round and one
+counted round of 3-step training turns per mode). This checks that each section measures
+what it says and that the checkpoints it made are real ones, not how fast anything is."""
 
 from __future__ import annotations
 
@@ -77,12 +77,14 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
         "--every",
         CYCLES,
     )
-    [one_round] = training["rounds"]
-    assert list(one_round) == ["none", "async", "sync"]
-    for mode, run in one_round.items():
-        assert run["steps"] == CYCLES * EVERY and run["steps_per_second"] > 0, (mode, run)
-        # the warm-up cycle's save and each timed cycle's one; none saves nothing
-        assert len(run["stall_seconds"]) == (0 if mode == "none" else 1 + CYCLES), (mode, run)
+    assert len(training["rounds"]) == CYCLES
+    for one_round in (training["warmup"], *training["rounds"]):
+        assert list(one_round) == ["none", "async", "sync"]
+        for mode, turn in one_round.items():
+            assert turn["steps"] == EVERY and turn["steps_per_second"] > 0, (mode, turn)
+            # a turn begins with its mode's save; none saves nothing
+            assert len(turn["stall_seconds"]) == (0 if mode == "none" else 1), (mode, turn)
+        assert isinstance(one_round["async"]["persisted_in_turn"], bool)
 
     summary = results["summary"]
     for key in (
@@ -94,6 +96,9 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
         "async_warm_stall_over_dcp_warm_stall",
         "throughput_async_over_none",
         "throughput_sync_over_none",
+        "throughput_async_over_none_total",
+        "training_async_stall_seconds",
+        "training_sync_first_stall_seconds",
         "buffers_over_state",
     ):
         assert summary[key] > 0, (key, summary)
