@@ -21,6 +21,10 @@ from runner.storage.limits import (
 NOTICE_SOURCES = ("off", "auto", "aws", "gcp", "azure")
 """`--notices`: the choices of its click option and of RunConfig's check (listed once)."""
 
+SAVE_MODES = ("async", "sync")
+"""`--save-mode`: async copies the state into host memory and persists it in the background;
+sync persists it on the training loop."""
+
 
 def default_writer_id() -> str:
     """Identifies this process/pod/attempt in manifests (unique per process start)."""
@@ -45,6 +49,9 @@ class RunConfig:
     """Committed checkpoints kept locally and in the mirror (>= 2: the newest may be in flight)."""
     grace_seconds: float = 110.0
     """Time budget from SIGTERM to exit (final step + save + upload)."""
+    save_mode: str = "async"
+    """One of SAVE_MODES: how a checkpoint blocks the training loop (async: only for a copy
+    into reused host buffers, about the state's size in host memory; sync: the whole save)."""
     metrics_port: int = 0
     """Port for /metrics and /healthz; 0 disables the server."""
     metrics_host: str = "0.0.0.0"
@@ -105,6 +112,8 @@ class RunConfig:
             raise ConfigError("--grace-seconds must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535 (got {self.metrics_port})")
+        if self.save_mode not in SAVE_MODES:
+            raise ConfigError(f"--save-mode must be one of {', '.join(SAVE_MODES)}")
         if self.notices not in NOTICE_SOURCES:
             raise ConfigError(f"--notices must be one of {', '.join(NOTICE_SOURCES)}")
         if self.notice_poll_seconds <= 0:

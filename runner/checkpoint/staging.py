@@ -4,8 +4,8 @@ Format modules (runner.checkpoint.formats) write into a Staging; the writer comm
 
 from __future__ import annotations
 
+import contextlib
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,12 +33,10 @@ class Staging:
         self.files.append(FileEntry(path=name, size=out.size, sha256=out.sha256))
 
     def write_torch(self, name: str, obj: Any) -> FileEntry:
-        import torch  # imported here so listing/verifying commands start fast
-
-        with self.open_file(name) as out, _without_zip_crc32():
+        with self.open_file(name) as out:
             # torch.save only calls write() and flush(): no seek, so it streams one pass
             try:
-                torch.save(obj, cast(BinaryIO, out))
+                _save_without_crc32(obj, cast(BinaryIO, out))
             except RuntimeError as exc:
                 # torch's zip writer hides a failed write (ENOSPC, EIO) behind its own
                 # RuntimeError when it closes the archive; surface the OS error itself.
@@ -80,33 +78,34 @@ def _os_error_in_chain(exc: BaseException) -> OSError | None:
     return None
 
 
-class _ZipCrc32Off:
-    """torch.save computes a zip CRC32 of every byte, single-threaded: it costs more than the
-    write itself. The manifest's sha256 already covers every byte, so CRC32 is switched off
-    while our saves run (torch.load reads such files; a save by another thread meanwhile merely
-    skips it too). Counted, so overlapping saves in several threads restore the setting once."""
+def _save_without_crc32(obj: Any, out: BinaryIO) -> None:
+    """torch.save of `obj` into `out`, without the zip CRC32 of every record.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active = 0
-        self._previous = True
+    torch.save computes that CRC32 single-threaded and it costs more than the write itself;
+    the manifest's sha256 already covers every byte (torch.load reads such files). torch's
+    switch for it is process-wide (`torch.serialization.set_crc32_options`): flipping it would
+    change a torch.save that the user's own code runs meanwhile on another thread (a background
+    save makes that likely). So this save gets its own zip writer with CRC32 off and the
+    setting is never touched. A torch without those internals gets a plain torch.save."""
+    import pickle
 
-    @contextmanager
-    def __call__(self) -> Iterator[None]:
-        from torch.utils.serialization import config
+    import torch
+    from torch import serialization
 
-        with self._lock:
-            if self._active == 0:
-                self._previous = config.save.compute_crc32
-                config.save.compute_crc32 = False
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    config.save.compute_crc32 = self._previous
-
-
-_without_zip_crc32 = _ZipCrc32Off()
+    make_writer = getattr(torch._C, "PyTorchFileWriter", None)
+    save_records = getattr(serialization, "_save", None)
+    alignment = getattr(serialization, "_get_storage_alignment", None)
+    if make_writer is None or save_records is None or alignment is None:
+        torch.save(obj, out)
+        return
+    zip_writer = make_writer(out, False, alignment())
+    try:
+        save_records(obj, zip_writer, pickle, serialization.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # the archive must be ended even when the save failed (torch.save does it in its
+        # context's exit): a writer destroyed open aborts the process
+        with contextlib.suppress(Exception):
+            zip_writer.write_end_of_file()
+        raise
+    zip_writer.write_end_of_file()
+    out.flush()

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from runner.cli import options
-from runner.config import RunConfig
+from runner.config import SAVE_MODES, RunConfig
 from runner.demo.sharding import PARALLEL_MODES
 from runner.errors import IntegrityError
 
@@ -137,6 +137,13 @@ def demo(
     help="Also resume the stopped checkpoint at this many ranks and audit its samples "
     "(default with --ranks > 1: 1).",
 )
+@click.option(
+    "--save-mode",
+    type=click.Choice(SAVE_MODES),
+    default=RunConfig.default("save_mode"),
+    show_default=True,
+    help="The save mode of every run of the drill (runner demo --save-mode).",
+)
 @options.json_output
 def drill(
     steps: int,
@@ -145,6 +152,7 @@ def drill(
     work_dir: str | None,
     ranks: int,
     resume_ranks: int | None,
+    save_mode: str,
     as_json: bool,
 ) -> None:
     """Resume audit: straight run vs SIGTERM + resume in a fresh process, plus what each
@@ -158,6 +166,9 @@ def drill(
 
     if steps < 2 or (stop_at is not None and not 0 < stop_at < steps):
         raise click.BadParameter("need --steps >= 2 and 0 < --stop-at < --steps")
+    # every run of the drill is a `runner demo` child: it reads its save mode from here
+    os.environ["RUNNER_SAVE_MODE"] = save_mode
+    mode_line = f"save mode: {save_mode}\n"
     if ranks > 1 or resume_ranks not in (None, ranks):
         from runner.demo import drill_ranks, drill_ranks_report
 
@@ -170,8 +181,10 @@ def drill(
                 ranks=ranks,
                 resume_ranks=resume_ranks or 1,
             )
-        show = drill_ranks_report.report_json if as_json else drill_ranks_report.report_text
-        click.echo(show(ranked))
+        if as_json:
+            click.echo(_with_mode(drill_ranks_report.report_json(ranked), save_mode))
+        else:
+            click.echo(mode_line + drill_ranks_report.report_text(ranked))
         if (failure := ranked.failure()) is not None:
             raise IntegrityError(failure)
         return
@@ -179,12 +192,14 @@ def drill(
         report = run_drill(work_dir=Path(work_dir or tmp), steps=steps, seed=seed, stop_at=stop_at)
     results = run_ablation_study(steps=steps, stop_at=min(report.stopped_at, steps - 1), seed=seed)
     if as_json:
-        click.echo(report_json(report, [dataclasses.asdict(r) for r in results]))
+        click.echo(
+            _with_mode(report_json(report, [dataclasses.asdict(r) for r in results]), save_mode)
+        )
     else:
         verdict = "IDENTICAL" if report.exact else "DIFFERENT"
         click.echo(
-            f"straight {steps} steps vs SIGTERM at step {report.stopped_at} + resume in a "
-            f"fresh process: {verdict}\n"
+            f"{mode_line}straight {steps} steps vs SIGTERM at step {report.stopped_at} + "
+            f"resume in a fresh process: {verdict}\n"
             f"  fingerprint straight {report.straight.fingerprint[:16]}  "
             f"resumed {report.resumed.fingerprint[:16]}\n"
             f"  loss history: {report.loss_verdict()}\n"
@@ -193,3 +208,10 @@ def drill(
         click.echo(format_table(results))
     if not report.exact:
         raise IntegrityError("the resumed run differs from the straight run: resume is not exact")
+
+
+def _with_mode(report: str, save_mode: str) -> str:
+    """A drill's JSON report with the save mode its runs used."""
+    import json
+
+    return json.dumps({"save_mode": save_mode, **json.loads(report)}, indent=2)

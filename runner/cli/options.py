@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
-from runner.config import MAXIMA, NOTICE_SOURCES, RunConfig
+from runner.config import MAXIMA, NOTICE_SOURCES, SAVE_MODES, RunConfig
 from runner.storage.limits import (
     DEFAULT_STORE_TIMEOUT_S,
     MAX_STORE_TIMEOUT_S,
@@ -123,6 +123,15 @@ grace_seconds = _opt(
     type=FINITE_FLOAT,
     default=RunConfig.default("grace_seconds"),
     help="Budget from SIGTERM to exit for the final checkpoint and upload.",
+)
+save_mode = _opt(
+    "--save-mode",
+    env="RUNNER_SAVE_MODE",
+    type=click.Choice(SAVE_MODES),
+    default=RunConfig.default("save_mode"),
+    help="async: a checkpoint blocks training only to copy the state into host memory "
+    "(as much again as the state), then is written in the background; sync: training waits "
+    "for the whole save.",
 )
 collective_timeout = _opt(
     "--collective-timeout",
@@ -256,6 +265,7 @@ def run_options(func: F) -> F:
             ckpt_every_seconds,
             keep,
             grace_seconds,
+            save_mode,
             metrics_port,
             metrics_host,
             notices,

@@ -1,4 +1,5 @@
-"""The demo's live progress line: step, loss, steps/s, last checkpoint and its age.
+"""The demo's live progress line: step, loss, steps/s, last checkpoint and its age, and how
+long the last checkpoint stalled training.
 
 On a terminal the line is redrawn in place; otherwise (logs, CI) one line is printed every
 `every_seconds` so a log stays readable. While the line is live, log handlers writing to the
@@ -39,6 +40,7 @@ class ProgressDisplay:
         self._rate = 0.0
         self._last_print = 0.0
         self._ckpt: tuple[int, float] | None = None
+        self._stall: float | None = None
         # the progress text now on the stream's last line ("" when none): log records from
         # any thread clear and redraw it, so every write to the stream holds this lock
         self._drawn = ""
@@ -52,6 +54,10 @@ class ProgressDisplay:
         step: the age shown is how stale the newest checkpoint is, and only a new one may
         reset it."""
         self._ckpt = (step, self.clock() - max(0.0, age_seconds))
+
+    def stall(self, seconds: float) -> None:
+        """The last checkpoint blocked training `seconds` (async: the copy into host memory)."""
+        self._stall = seconds
 
     def update(self, *, step: int, loss: float) -> None:
         now = self.clock()
@@ -71,6 +77,8 @@ class ProgressDisplay:
             f"step {step}/{self.total_steps}  loss {loss:.4f}  {self._rate:.1f} steps/s  "
             f"last checkpoint: {ckpt}"
         )
+        if self._stall is not None:
+            line += f"  stall {_duration(self._stall)}"
         with self._lock:
             if self.live:
                 self.stream.write(CLEAR_LINE + line)
@@ -104,6 +112,10 @@ class ProgressDisplay:
     def _after_log_write(self, inner: TextIO) -> None:
         inner.write(CLEAR_LINE + self._drawn)
         inner.flush()
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1.0 else f"{seconds:.1f} s"
 
 
 class _ClearingStream:

@@ -130,6 +130,8 @@ def _train(session: TrainSession, components: DemoComponents, display: ProgressD
     while not session.should_stop:
         loss = _step(session, components)
         session.step_done()
+        if session.last_stall_seconds is not None:
+            display.stall(session.last_stall_seconds)
         if session.last_checkpoint is not shown:  # a new commit, not every step
             shown = session.last_checkpoint
             if shown is not None:

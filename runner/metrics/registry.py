@@ -35,6 +35,26 @@ FAILURE_STAGES = ("save", "upload", "verify", "restore", "loss_log")
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 # Seconds: a tiny CPU checkpoint takes ~0.1 s, a multi-GB upload over a slow link ~10 min.
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# A background save stalls the loop for a copy into host memory: milliseconds, so the stall's
+# buckets start three decades lower (a sync save's stall lands in the upper ones).
+STALL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
 
 
 class RunnerMetrics:
@@ -89,6 +109,13 @@ class RunnerMetrics:
             buckets=DURATION_BUCKETS,
             registry=reg,
         )
+        self._stall = Histogram(
+            "runner_checkpoint_stall_seconds",
+            "Time the training loop was blocked by one checkpoint (async: the copy into host "
+            "memory and any wait for the previous save; sync: the whole save).",
+            buckets=STALL_BUCKETS,
+            registry=reg,
+        )
         self._upload_duration = Histogram(
             "runner_checkpoint_upload_duration_seconds",
             "Time to upload and verify one checkpoint in the mirror.",
@@ -136,6 +163,10 @@ class RunnerMetrics:
         self._save_duration.observe(duration_s)
         self._bytes.set(size_bytes)
         self._record_success(LOCAL, step)
+
+    def checkpoint_stalled(self, seconds: float) -> None:
+        """The training loop was blocked `seconds` by one checkpoint."""
+        self._stall.observe(seconds)
 
     def checkpoint_uploaded(self, *, step: int, duration_s: float) -> None:
         """A checkpoint is in the mirror, verified, manifest last."""

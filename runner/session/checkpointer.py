@@ -3,8 +3,10 @@
 A save has two halves, so that a background saver can take the second one off the loop:
 
 - capture, on the training loop between two optimizer steps: a `Snapshot` holds the payload
-  dict, the counters and the manifest's fields, with the fingerprint computed from the
-  snapshot's own tensors (what is saved, not the live model), and when the save began;
+  dict (the live tensors, or for a background saver their copies in reused host buffers:
+  runner.state.host_copy), the counters and the manifest's fields, and when the save began;
+  the fingerprint is computed from the snapshot's own tensors (what is saved, not the live
+  model) by whoever persists it;
 - persist, by a `Saver`: serialise, hash, fsync and commit (CheckpointWriter), then the
   session's bookkeeping, local retention and the mirror hand-off, in that order.
 
@@ -13,9 +15,11 @@ saver the loop has moved on (and may have begun the next save) when the callback
 failure before the commit is the save's (`on_failure` classifies it); one after it (the
 callbacks) propagates as it is: the checkpoint stands.
 
-`SyncSaver` persists inside `save`, so the loop waits for the commit. At most one save is in
-flight: `Checkpointer.save` waits for the previous one before it captures (a saver that runs
-in the background keeps that promise by construction; the sync one trivially does).
+`SyncSaver` persists inside `save`, so the loop waits for the commit; `BackgroundSaver`
+(runner.session.background) on a worker thread, so the loop waits only for the copy. At most
+one save is in flight: `Checkpointer.save` waits for the previous one before it captures
+(the host buffers are reused, so this also keeps the snapshot in them whole). A background
+save's failure is kept for the loop's next step boundary (`take_failure`).
 
 Loading goes the other way: `read` deserialises a verified checkpoint without touching the
 live objects (it may run in a worker that a stop gives up on), and `load_into` puts it into
@@ -25,6 +29,8 @@ existing state dicts.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -38,7 +44,9 @@ from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, Committed
 from runner.collective.group import SINGLE, Group
 from runner.errors import ConfigError, RunnerError
 from runner.state.counters import Counters
-from runner.state.ranked import RankedPayload
+from runner.state.fingerprint import fingerprint_tensors
+from runner.state.host_copy import HostBuffers
+from runner.state.ranked import RankedPayload, is_sharded_state
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +107,12 @@ class Snapshot:
     """A whole-state payload, or this rank's part of a multi-rank checkpoint."""
     meta: CheckpointMeta
     captured_at: float
+    digest: Callable[[], str] | None = None
+    """Computes the fingerprint from the payload's own tensors, by whoever persists it (a
+    background saver: off the loop); None when `meta.fingerprint` is final already."""
+    stall_seconds: float = 0.0
+    """How long the loop was blocked to take this snapshot (a sync save: until the commit,
+    which the saver's caller adds)."""
 
     @property
     def step(self) -> int:
@@ -108,52 +122,78 @@ class Snapshot:
     def reason(self) -> str:
         return str(self.meta.extra.get("reason", ""))
 
+    def final_meta(self) -> CheckpointMeta:
+        """The manifest's fields with the fingerprint computed (when it was deferred)."""
+        if self.digest is None:
+            return self.meta
+        return dataclasses.replace(self.meta, fingerprint=self.digest())
+
 
 def capture(
     state: TrainState,
     *,
     reason: str,
-    copy: bool = False,
+    copy_into: HostBuffers | None = None,
     captured_at: float | None = None,
     group: Group = SINGLE,
     extra: dict[str, Any] | None = None,
 ) -> Snapshot:
     """Snapshot `state` at this step boundary; `captured_at` (monotonic) defaults to now.
 
-    For the sync saver the payload references the live tensors (`copy=False`): the persist
-    that reads them finishes before the loop's next optimizer step changes them. A background
-    saver needs `copy=True` (host copies, taken before `save` returns; issue 13 reuses the
-    buffers), and the fingerprint is then computed from the copies."""
+    Without `copy_into` (the sync saver) the payload references the live tensors: the persist
+    that reads them finishes before the loop's next optimizer step changes them. With it (a
+    background saver) every tensor is copied into those reused host buffers before this
+    returns, and the rest of the payload is rebuilt, so the loop may go on at once.
+
+    The fingerprint is always that of the payload's own tensors, computed when the snapshot is
+    persisted (`Snapshot.digest`), except for a model sharded across ranks: gathering it is a
+    collective on the live model, done here by every rank."""
     if captured_at is None:
         captured_at = time.monotonic()
     counters = state.counters
     payload: dict[str, Any] | RankedPayload
+    digest: Callable[[], str] | None = None
+    fingerprint = ""
     if not group.single:
         # each rank its part; the fingerprint of the full state is rank 0's to write
-        payload = _capture_ranked(state, group)
-        if isinstance(state, FingerprintsFull):
-            digest = state.full_fingerprint(primary=group.rank == 0)  # every rank: collective
-        else:
-            digest = state.fingerprint() if group.rank == 0 else ""
+        payload = _capture_ranked(state, group, copy_into)
+        if is_sharded_state(payload.tensors) and isinstance(state, FingerprintsFull):
+            fingerprint = state.full_fingerprint(primary=group.rank == 0)  # every rank
+        elif group.rank == 0 and isinstance(state, FingerprintsFull):
+            # a whole model on every rank: rank 0 hashes its (copied) tensors alone
+            digest = functools.partial(fingerprint_tensors, payload.tensors)
+        elif group.rank == 0:
+            fingerprint = state.fingerprint()  # a state of its own layout: its own digest
     else:
-        payload = state.capture(copy=copy)
+        whole = state.capture()
+        if copy_into is not None:
+            whole = copy_into.snapshot(whole)
+        payload = whole
         if isinstance(state, FingerprintsCaptured):
-            digest = state.fingerprint_captured(payload)
+            digest = functools.partial(state.fingerprint_captured, whole)
         else:
-            digest = state.fingerprint()  # a state of its own layout: its own digest
+            fingerprint = state.fingerprint()  # a state of its own layout: its own digest
     meta = CheckpointMeta(
         step=counters.step,
         samples_seen=counters.samples_seen,
         world_size=counters.world_size,
         epoch=counters.epoch,
         batch_in_epoch=counters.batch_in_epoch,
-        fingerprint=digest,
+        fingerprint=fingerprint,
         extra={"reason": reason, **(extra or {})},
     )
-    return Snapshot(payload=payload, meta=meta, captured_at=captured_at)
+    return Snapshot(
+        payload=payload,
+        meta=meta,
+        captured_at=captured_at,
+        digest=digest,
+        stall_seconds=time.monotonic() - captured_at,
+    )
 
 
-def _capture_ranked(state: TrainState, group: Group) -> RankedPayload:
+def _capture_ranked(
+    state: TrainState, group: Group, copy_into: HostBuffers | None
+) -> RankedPayload:
     capture_ranked = getattr(state, "capture_ranked", None)
     if capture_ranked is None:
         raise ConfigError(
@@ -162,7 +202,10 @@ def _capture_ranked(state: TrainState, group: Group) -> RankedPayload:
         )
     part = capture_ranked(rank=group.rank, world_size=group.world_size)
     assert isinstance(part, RankedPayload)
-    return part
+    if copy_into is None:
+        return part
+    copied = copy_into.snapshot({"tensors": part.tensors, "shared": part.shared, "own": part.own})
+    return dataclasses.replace(part, **copied)
 
 
 class PendingSave(Protocol):
@@ -178,7 +221,13 @@ class Saver(Protocol):
     def save(self, snapshot: Snapshot) -> PendingSave: ...
 
     def wait_for_saving(self) -> CommittedCheckpoint | None:
-        """Block until the save in flight (if any) is committed; returns it."""
+        """Block until the save in flight (if any) has ended; returns the newest committed
+        checkpoint. A failure is not raised here (see `take_failure`)."""
+        ...
+
+    def take_failure(self) -> tuple[int, BaseException] | None:
+        """The step and error of a save that failed in the background and was not reported
+        yet; None when there is none (never blocks)."""
         ...
 
     def close(self) -> None: ...
@@ -211,6 +260,9 @@ class SyncSaver:
     def wait_for_saving(self) -> CommittedCheckpoint | None:
         return self._last
 
+    def take_failure(self) -> tuple[int, BaseException] | None:
+        return None  # a sync save's failure is raised by `save` itself
+
     def close(self) -> None:
         return None
 
@@ -238,9 +290,17 @@ class Checkpointer:
         on_failure: Callable[[Exception, int], Exception] | None = None,
         saver: Callable[[Persist], Saver] = SyncSaver,
         group: Group = SINGLE,
+        snapshot_to: HostBuffers | None = None,
+        save_group: Group | None = None,
     ) -> None:
         self.writer = writer
-        self.group = group  # several ranks: every save and load is collective over it
+        self.group = group  # several ranks: every load (and sync save) is collective over it
+        # a background saver's commits run beside the loop's own collectives (the per-step
+        # agreement): they need a channel of their own, or the two would interleave
+        self.save_group = save_group if save_group is not None else group
+        # a background saver: the loop copies the state into these buffers and goes on
+        self.snapshot_to = snapshot_to
+        self.last_stall_seconds: float | None = None  # how long the last save blocked the loop
         self._on_commit = on_commit
         self._retention = retention
         self._hand_off = hand_off
@@ -253,34 +313,51 @@ class Checkpointer:
     def save(
         self, state: TrainState, *, reason: str, extra: dict[str, Any] | None = None
     ) -> PendingSave:
-        """Wait for the save in flight, capture `state` and hand the snapshot to the saver."""
-        self.saver.wait_for_saving()
+        """Wait for the save in flight, capture `state` and hand the snapshot to the saver.
+        The loop is blocked from here until this returns (`last_stall_seconds`): with the
+        sync saver that is the whole save, with a background one the wait for the previous
+        save (if still running) and the copy into host memory."""
         started = time.monotonic()
+        self.saver.wait_for_saving()
         try:
             if self._before_capture is not None:
                 self._before_capture()
             snapshot = capture(
-                state, reason=reason, captured_at=started, group=self.group, extra=extra
+                state,
+                reason=reason,
+                captured_at=started,
+                group=self.group,
+                extra=extra,
+                copy_into=self.snapshot_to,
             )
         except (OSError, RunnerError) as exc:
+            self.last_stall_seconds = time.monotonic() - started
             self._failed_before_commit(exc, step=state.counters.step)
-        return self.saver.save(snapshot)
+        try:
+            return self.saver.save(snapshot)
+        finally:
+            self.last_stall_seconds = time.monotonic() - started
 
     def wait_for_saving(self) -> CommittedCheckpoint | None:
         return self.saver.wait_for_saving()
+
+    def take_failure(self) -> tuple[int, BaseException] | None:
+        """A background save's failure, once (see `Saver.take_failure`)."""
+        return self.saver.take_failure()
 
     def persist(self, snapshot: Snapshot) -> CommittedCheckpoint:
         """The saver's half: commit the snapshot, then bookkeeping, retention, mirror. Only
         the commit's failure is the save's; the callbacks' errors propagate unclassified."""
         try:
+            meta = snapshot.final_meta()
             if isinstance(snapshot.payload, RankedPayload):
                 from runner.checkpoint.ranked import write_ranked
 
                 committed = write_ranked(
-                    self.writer, snapshot.payload, meta=snapshot.meta, group=self.group
+                    self.writer, snapshot.payload, meta=meta, group=self.save_group
                 )
             else:
-                committed = self.writer.write_state(snapshot.payload, meta=snapshot.meta)
+                committed = self.writer.write_state(snapshot.payload, meta=meta)
         except (OSError, RunnerError) as exc:
             self._failed_before_commit(exc, step=snapshot.step)
         if self._on_commit is not None:
@@ -299,11 +376,15 @@ class Checkpointer:
         raise replacement from exc
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the saver."""
+        """Wait for the save in flight, then release the saver and the host buffers."""
         try:
             self.saver.wait_for_saving()
         finally:
-            self.saver.close()
+            try:
+                self.saver.close()
+            finally:
+                if self.snapshot_to is not None:
+                    self.snapshot_to.release()
 
     # -- loading ------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from runner.runtime import runlock
 from runner.runtime.lifecycle import ResumePoint, end_run, report_resume
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
-from runner.session.checkpointer import Checkpointer, Snapshot, TrainState
+from runner.session.checkpointer import Checkpointer, PendingSave, Snapshot, TrainState
 from runner.session.coordination import (
     PEER_STOP,
     agree_on_step,
@@ -87,6 +87,17 @@ def ranks_group(rank: RankContext, config: RunConfig) -> Group:
             "from the launcher's environment (init_process_group() under torchrun)"
         )
     return group
+
+
+def _saving(background: bool, save_group: Group) -> dict[str, Any]:
+    """The Checkpointer's arguments for a save mode: a background saver with host buffers
+    and the save group, or the sync saver (the loop's own group)."""
+    if not background:
+        return {}
+    from runner.session.background import BackgroundSaver
+    from runner.state.host_copy import HostBuffers
+
+    return {"saver": BackgroundSaver, "snapshot_to": HostBuffers(), "save_group": save_group}
 
 
 def _global_batch(state: TrainState) -> int | None:
@@ -130,6 +141,13 @@ class TrainSession:
         self._owned = contextlib.ExitStack()
         services = self._lock_and_serve(services)
         self.group = group if group is not None else ranks_group(rank, config)
+        self.background = config.save_mode == "async"
+        # a background save's collectives run beside the loop's: a channel of their own
+        save_group = self.group
+        if self.background and not self.group.single:
+            from runner.collective.group import dedicated_group
+
+            save_group = dedicated_group(timeout_s=config.collective_timeout)
         self.metrics: RunnerMetrics | None = services.metrics
         self.mirror: Mirror | None = services.mirror
         self.run_dir = Path(config.run_dir)
@@ -156,6 +174,7 @@ class TrainSession:
             before_capture=self.loss_log.sync,
             on_failure=self._save_failed,
             group=self.group,
+            **_saving(self.background, save_group),
         )
         self.last_checkpoint: CommittedCheckpoint | None = None
         self.resumed_checkpoint: CommittedCheckpoint | None = None
@@ -163,6 +182,7 @@ class TrainSession:
         self.exit_code: int | None = None
         self.final_save_seconds: float | None = None
         self.final_upload_landed: bool | None = None
+        self.last_stall_seconds: float | None = None  # how long the last save blocked the loop
         # a stop gave up on start-up's store work: finish() then leaves the store alone
         self.startup_given_up = False
         # steps committed or resumed from by this process: retention need not re-hash them
@@ -426,6 +446,7 @@ class TrainSession:
         self._log_loss(counters.step)
         if self.metrics is not None:
             self.metrics.train_step(counters.step)
+        self._report_background_failure()
         if not self.group.single:
             decision = agree_on_step(
                 self.group,
@@ -445,7 +466,7 @@ class TrainSession:
             reason = self.stop.take_checkpoint_request() or self.policy.due(counters.step)
         if reason is not None:
             try:
-                self.save(reason=reason)
+                self._start_save(reason=reason)  # committed in the background (async)
             except CheckpointWriteError as exc:
                 # Training goes on (the failure metric and alert tell the operator); the next
                 # try is at the next cadence point, not at every step.
@@ -465,16 +486,43 @@ class TrainSession:
             self._history_logged = len(history)
 
     def save(self, *, reason: str) -> CommittedCheckpoint:
-        """Commit a checkpoint of the current state now, and hand it to the mirror.
+        """Commit a checkpoint of the current state now, and hand it to the mirror; returns
+        once it is committed (in either save mode).
 
         The loss log's fsync, capture, commit, then _committed, _prune_local and _hand_off
-        (runner.session.checkpointer; a failure before the commit goes through _save_failed);
-        the sync saver has committed when result() returns."""
+        (runner.session.checkpointer; a failure before the commit goes through _save_failed)."""
+        return self._start_save(reason=reason).result()
+
+    def _start_save(self, *, reason: str) -> PendingSave:
+        """`save`, returning once the loop may go on: a background saver commits it later,
+        and its failure is reported at the next step boundary (training goes on)."""
         # the run's length in samples travels with its checkpoints once it is fixed
         extra = None
         if self.target_samples:
             extra = {"target_samples": self.target_samples, "target_steps": self.config.steps}
-        return self.checkpointer.save(self.state, reason=reason, extra=extra).result()
+        # the step is saved from now on: the cadence moves on even while it is written
+        self.policy.saved(self.step)
+        try:
+            pending = self.checkpointer.save(self.state, reason=reason, extra=extra)
+        finally:
+            self.last_stall_seconds = self.checkpointer.last_stall_seconds
+            if self.metrics is not None and self.last_stall_seconds is not None:
+                self.metrics.checkpoint_stalled(self.last_stall_seconds)
+        return pending
+
+    def _report_background_failure(self) -> None:
+        """Say once that a background save failed (its failure metric is counted already);
+        the previous checkpoint stands and training goes on."""
+        failure = self.checkpointer.take_failure()
+        if failure is None:
+            return
+        step, exc = failure
+        if isinstance(exc, RunnerError):
+            log.error("%s; training continues", exc)
+        else:  # not a save's own error (a bookkeeping callback): still not the loop's end
+            log.error(
+                "checkpoint step %d: %s: %s; training continues", step, type(exc).__name__, exc
+            )
 
     def _save_failed(self, exc: Exception, step: int) -> Exception:
         """A save of step `step` that failed before its commit: counted; an OSError becomes
@@ -487,9 +535,9 @@ class TrainSession:
         return write_error(exc, step=step, ckpt_dir=self.ckpt_dir, previous=previous)
 
     def _committed(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
-        """Bookkeeping once a save is committed, before retention and the mirror see it."""
+        """Bookkeeping once a save is committed, before retention and the mirror see it (on
+        the saver's thread with a background saver)."""
         duration = time.monotonic() - snapshot.captured_at
-        self.policy.saved(snapshot.step)
         self.last_checkpoint = committed
         self._known_good.add(committed.step)
         if self.metrics is not None:
@@ -498,12 +546,15 @@ class TrainSession:
             )
         if self.rank.acts_as_primary:
             log.info(
-                "checkpoint step %d committed in %.2fs (%s, %.1f MB%s)",
+                "checkpoint step %d committed in %.2fs (%s, %.1f MB%s, %s)",
                 snapshot.step,
                 duration,
                 snapshot.reason,
                 committed.manifest.total_bytes / 1e6,
                 f", {committed.manifest.world_size} ranks" if not self.group.single else "",
+                f"async, copied in {snapshot.stall_seconds * 1e3:.0f} ms"
+                if self.background
+                else "sync",
             )
 
     def _hand_off(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
@@ -579,6 +630,8 @@ class TrainSession:
     def _save_final(self, *, reason: str) -> CommittedCheckpoint | None:
         """The checkpoint of the current step, saved now unless it is committed already;
         None when there is nothing to save."""
+        self.checkpointer.wait_for_saving()  # a background save in flight ends first
+        self._report_background_failure()
         ckpt = self.last_checkpoint
         if ckpt is not None and ckpt.step == self.step:
             return ckpt

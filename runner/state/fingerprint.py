@@ -61,6 +61,12 @@ def full_fingerprint(
     return fingerprint_state(model_state, by_param_index(optimizer_state))
 
 
+def fingerprint_tensors(tensors: Mapping[str, Any]) -> str:
+    """`fingerprint` of a whole (unsharded) `runner.state.ranked.tensor_state`, or of a host
+    copy of one: parameters by name, as get_state_dict keys them."""
+    return fingerprint_state(tensors["model"], by_param_index(tensors["optimizer"]))
+
+
 def by_param_index(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer state dict keyed by parameter name (`get_state_dict`'s) keyed by index
     instead, as `optimizer.state_dict()` keys it: a parameter's position across the param

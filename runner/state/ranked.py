@@ -52,6 +52,11 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(param, DTensor) for param in model.parameters())
 
 
+def is_sharded_state(tensors: dict[str, Any]) -> bool:
+    """Whether a `tensor_state` (or a host copy of one) holds DTensor shards."""
+    return any(hasattr(t, "device_mesh") for t in tensors.get("model", {}).values())
+
+
 def full_tensor_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -45,6 +45,7 @@ def child_env(
         ("RUNNER_KEEP", config.keep),
         ("RUNNER_GRACE_SECONDS", config.grace_seconds),
         ("RUNNER_SEED", config.seed),
+        ("RUNNER_SAVE_MODE", config.save_mode),
     ):
         if value is not None:
             env[name] = str(value)

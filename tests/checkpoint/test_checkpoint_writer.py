@@ -285,17 +285,48 @@ def test_small_state_stays_one_file_below_chunk_bytes(tmp_path: Path) -> None:
     assert ckpt.manifest.format == "torch-state"
 
 
-def test_zip_crc32_is_skipped_during_our_save_and_restored_after(tmp_path: Path) -> None:
+def test_our_saves_skip_zip_crc32_and_a_concurrent_user_torch_save_keeps_it(
+    tmp_path: Path,
+) -> None:
+    """Our saves write no zip CRC32 (the manifest's sha256 covers every byte); a torch.save
+    the user's code runs on another thread meanwhile still writes it: torch's process-wide
+    switch is never flipped (it used to be, for the duration of each of our saves)."""
+    import threading
+    import zipfile
+
     from torch.utils.serialization import config
 
     assert config.save.compute_crc32 is True
-    state = tiny_train_state(steps=1)
-    ckpt = _writer(tmp_path).write_state(state, meta=meta_for(state))
+    big = {"w": torch.randn(4_000_000)}  # 16 MB: each of our saves takes a while
+    stop = threading.Event()
+    ours: list[Path] = []
+
+    def save_ours() -> None:
+        from runner.checkpoint.staging import Staging
+
+        stage = Staging(tmp_path / "stage")
+        while not stop.is_set():
+            name = f"ours_{len(ours)}.pt"
+            stage.write_torch(name, big)
+            ours.append(stage.path / name)
+
+    saver = threading.Thread(target=save_ours)
+    saver.start()
+    try:
+        while not ours:
+            time.sleep(0.001)
+        for i in range(40):  # the user's saves, while ours keep running
+            path = tmp_path / f"user_{i}.pt"
+            torch.save({"x": torch.arange(1000)}, path)
+            with zipfile.ZipFile(path) as archive:
+                assert archive.testzip() is None, f"user save {i} lost its CRC32"
+    finally:
+        stop.set()
+        saver.join()
     assert config.save.compute_crc32 is True
-    # the sha256 in the manifest is the integrity check; torch.load reads the file as is
-    assert torch.equal(load_state(ckpt.path)["model"]["0.weight"], state["model"]["0.weight"])
-    torch.save({"x": torch.ones(3)}, tmp_path / "plain.pt")  # unaffected outside our saves
-    assert torch.load(tmp_path / "plain.pt", weights_only=True)["x"].sum() == 3
+    with zipfile.ZipFile(ours[0]) as archive:
+        assert archive.testzip() is not None  # no CRC32 in ours ...
+    assert torch.equal(torch.load(ours[0], weights_only=True)["w"], big["w"])  # ... loads
 
 
 def test_adopt_moves_files_in_and_gives_them_back_on_failure(tmp_path: Path) -> None:

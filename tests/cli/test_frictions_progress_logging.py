@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|WARNING) runner[.\w]*: .+$")
 PROGRESS = re.compile(
     r"^step \d+/\d+  loss \d+\.\d+  \d+\.\d steps/s  last checkpoint: "
-    r"(none yet|step \d+ \(\d+s ago\))$"
+    r"(none yet|step \d+ \(\d+s ago\)(  stall \d+ ms|  stall \d+\.\d s)?)$"
 )
 FINAL = re.compile(r"^step \d+/\d+ fingerprint [0-9a-f]{64}$")
 

@@ -28,6 +28,7 @@ SHARED_RUN_OPTIONS = [
     ("--ckpt-every-seconds FLOAT", "env var: RUNNER_CKPT_EVERY_SECONDS"),
     ("--keep INTEGER", "env var: RUNNER_KEEP; default: 3"),
     ("--grace-seconds FLOAT", "env var: RUNNER_GRACE_SECONDS; default: 110.0"),
+    ("--save-mode [async|sync]", "env var: RUNNER_SAVE_MODE; default: async"),
     ("--metrics-port INTEGER", "env var: RUNNER_METRICS_PORT; default: 0"),
     ("--metrics-host TEXT", "env var: RUNNER_METRICS_HOST; default: 0.0.0.0"),
     ("--notices [off|auto|aws|gcp|azure]", "env var: RUNNER_NOTICES; default: off"),

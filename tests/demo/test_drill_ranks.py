@@ -39,6 +39,7 @@ def test_drill_on_two_ranks_resumes_exactly_and_at_one_rank_consumes_each_sample
     rescaled = report.pop("rescaled")
     fingerprint = report["straight_fingerprint"]
     assert report == {
+        "save_mode": "async",
         "steps": STEPS,
         "world_sizes": {"straight": 2, "resumed": 2, "rescaled": 1},
         "stopped_at": stopped,

@@ -23,6 +23,7 @@ from runner.session.checkpointer import (
 )
 from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint, fingerprint_state
+from runner.state.host_copy import HostBuffers
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
 from tests.fixtures.savers import FakeInFlightSaver
@@ -99,8 +100,8 @@ def test_capture_then_persist_writes_todays_bytes_and_fingerprint(tmp_path: Path
     old = writer(tmp_path / "old").write_state(state.capture(), meta=old_meta)
 
     snapshot = capture(state, reason="steps")
-    assert snapshot.meta == old_meta
-    assert (snapshot.step, snapshot.reason, snapshot.meta.fingerprint) == (3, "steps", live)
+    assert snapshot.final_meta() == old_meta
+    assert (snapshot.step, snapshot.reason, snapshot.final_meta().fingerprint) == (3, "steps", live)
     new = Checkpointer(writer(tmp_path / "new")).save(state, reason="steps").result()
     assert new.manifest.fingerprint == old.manifest.fingerprint == live
     assert new.manifest.format == old.manifest.format == "torch-state"
@@ -126,8 +127,8 @@ def test_a_copied_snapshot_shares_no_tensor_with_the_live_state_and_fingerprints
 ) -> None:
     state = trained(2)
     digest = state.fingerprint()
-    snapshot = capture(state, reason="steps", copy=True)
-    assert snapshot.meta.fingerprint == digest
+    snapshot = capture(state, reason="steps", copy_into=HostBuffers())
+    assert snapshot.final_meta().fingerprint == digest
     live = {p.data_ptr() for p in state.model.parameters()}
     assert not live & {t.data_ptr() for t in snapshot.payload["model"].values()}
     train_step(state)
@@ -324,7 +325,7 @@ def test_load_checkpoint_into_restores_a_module_state(tmp_path: Path) -> None:
     source = trained(4)
     committed = CheckpointWriter(
         tmp_path / "run" / "checkpoints", run_id="r", writer_id="pod-a"
-    ).write_state(source.capture(), meta=capture(source, reason="steps").meta)
+    ).write_state(source.capture(), meta=capture(source, reason="steps").final_meta())
     target = trained(1, seed=5)
     ckpt = Checkpointer(writer(tmp_path / "other"))
     counters = ckpt.load_checkpoint_into(committed.path, committed.manifest, target)

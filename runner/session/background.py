@@ -1,0 +1,99 @@
+"""The background saver: the loop hands a snapshot over and goes on training.
+
+`BackgroundSaver` implements the checkpointer's `Saver` with one worker thread: `save` queues
+the snapshot's persist (serialise, sha256, fsync, commit, then bookkeeping, retention and the
+mirror hand-off) and returns at once. At most one save is in flight: the checkpointer waits
+for it before it captures the next one, and the host buffers a snapshot lives in are reused
+by the next capture, so the wait is also what keeps them consistent.
+
+A save that fails in the background is never raised on the worker or lost: it is kept until
+the loop asks (`take_failure`, at its next step boundary) or waits for it (`result()` of its
+handle). Either way it is reported once. The previous checkpoint is untouched by a failure:
+the writer commits by rename, manifest last.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from runner.checkpoint.writer import CommittedCheckpoint
+from runner.session.checkpointer import Persist, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+class _InFlight:
+    """The handle of one background save."""
+
+    def __init__(self, future: Future[CommittedCheckpoint], step: int) -> None:
+        self.future = future
+        self.step = step
+        self.claimed = False  # its outcome was handed to a caller (result() or take_failure)
+
+    def result(self) -> CommittedCheckpoint:
+        """Wait for the commit; raises what persisting raised (claiming the failure)."""
+        self.claimed = True
+        return self.future.result()
+
+
+class BackgroundSaver:
+    """Persists each snapshot on one worker thread; at most one in flight."""
+
+    def __init__(self, persist: Persist) -> None:
+        self._persist = persist
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-saver")
+        self._lock = threading.Lock()
+        self._current: _InFlight | None = None
+        self._last: CommittedCheckpoint | None = None
+
+    def save(self, snapshot: Snapshot) -> _InFlight:
+        self.wait_for_saving()  # the checkpointer did already; a direct caller may not have
+        future = self._pool.submit(self._persist, snapshot)
+        pending = _InFlight(future, snapshot.step)
+        with self._lock:
+            self._current = pending
+        return pending
+
+    def wait_for_saving(self) -> CommittedCheckpoint | None:
+        """Block until the save in flight has ended; returns the newest committed checkpoint.
+        A failure is not raised here: it stays for `take_failure` (or `result()`)."""
+        with self._lock:
+            current = self._current
+        if current is not None:
+            try:
+                committed = current.future.result()
+            except BaseException:  # kept on the handle for take_failure
+                return self._last
+            self._last = committed
+        return self._last
+
+    @property
+    def in_flight(self) -> bool:
+        with self._lock:
+            current = self._current
+        return current is not None and not current.future.done()
+
+    def take_failure(self) -> tuple[int, BaseException] | None:
+        """The step and error of a save that failed and was not reported yet (non-blocking:
+        a save still running has not failed yet)."""
+        with self._lock:
+            current = self._current
+            if current is None or current.claimed or not current.future.done():
+                return None
+            failure = current.future.exception()
+            if failure is None:
+                return None
+            current.claimed = True
+            return current.step, failure
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the worker. A failure nobody claimed is
+        logged here, so that no failed save goes unsaid."""
+        self.wait_for_saving()
+        unclaimed = self.take_failure()
+        if unclaimed is not None:
+            step, failure = unclaimed
+            log.error("checkpoint step %d was not committed: %s", step, failure)
+        self._pool.shutdown(wait=True)
