@@ -47,12 +47,18 @@ class BackgroundSaver:
         self._lock = threading.Lock()
         self._current: _InFlight | None = None
         self._last: CommittedCheckpoint | None = None
+        # failures of saves that were replaced by a newer one before anyone asked: a save
+        # that fails while the next capture waits for it is reported all the same
+        self._unreported: list[tuple[int, BaseException]] = []
 
     def save(self, snapshot: Snapshot) -> _InFlight:
         self.wait_for_saving()  # the checkpointer did already; a direct caller may not have
         future = self._pool.submit(self._persist, snapshot)
         pending = _InFlight(future, snapshot.step)
         with self._lock:
+            replaced = self._unclaimed_failure()
+            if replaced is not None:
+                self._unreported.append(replaced)
             self._current = pending
         return pending
 
@@ -79,21 +85,27 @@ class BackgroundSaver:
         """The step and error of a save that failed and was not reported yet (non-blocking:
         a save still running has not failed yet)."""
         with self._lock:
-            current = self._current
-            if current is None or current.claimed or not current.future.done():
-                return None
-            failure = current.future.exception()
-            if failure is None:
-                return None
-            current.claimed = True
-            return current.step, failure
+            if self._unreported:
+                return self._unreported.pop(0)
+            return self._unclaimed_failure()
+
+    def _unclaimed_failure(self) -> tuple[int, BaseException] | None:
+        """The current save's failure if it has ended with one nobody claimed (claims it);
+        the caller holds the lock."""
+        current = self._current
+        if current is None or current.claimed or not current.future.done():
+            return None
+        failure = current.future.exception()
+        if failure is None:
+            return None
+        current.claimed = True
+        return current.step, failure
 
     def close(self) -> None:
         """Wait for the save in flight, then stop the worker. A failure nobody claimed is
         logged here, so that no failed save goes unsaid."""
         self.wait_for_saving()
-        unclaimed = self.take_failure()
-        if unclaimed is not None:
+        while (unclaimed := self.take_failure()) is not None:
             step, failure = unclaimed
             log.error("checkpoint step %d was not committed: %s", step, failure)
         self._pool.shutdown(wait=True)

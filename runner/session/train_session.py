@@ -513,16 +513,14 @@ class TrainSession:
     def _report_background_failure(self) -> None:
         """Say once that a background save failed (its failure metric is counted already);
         the previous checkpoint stands and training goes on."""
-        failure = self.checkpointer.take_failure()
-        if failure is None:
-            return
-        step, exc = failure
-        if isinstance(exc, RunnerError):
-            log.error("%s; training continues", exc)
-        else:  # not a save's own error (a bookkeeping callback): still not the loop's end
-            log.error(
-                "checkpoint step %d: %s: %s; training continues", step, type(exc).__name__, exc
-            )
+        while (failure := self.checkpointer.take_failure()) is not None:
+            step, exc = failure
+            if isinstance(exc, RunnerError):
+                log.error("%s; training continues", exc)
+            else:  # not a save's own error (a bookkeeping callback): still not the loop's end
+                log.error(
+                    "checkpoint step %d: %s: %s; training continues", step, type(exc).__name__, exc
+                )
 
     def _save_failed(self, exc: Exception, step: int) -> Exception:
         """A save of step `step` that failed before its commit: counted; an OSError becomes

@@ -1,0 +1,104 @@
+"""BackgroundSaver on its own, with a persist that fails on purpose (a fake: it writes nothing):
+one save in flight, every failure reported exactly once, to whoever asks first."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from runner.checkpoint.writer import CheckpointMeta, CommittedCheckpoint
+from runner.session.background import BackgroundSaver
+from runner.session.checkpointer import Snapshot
+
+
+def _snapshot(step: int) -> Snapshot:
+    meta = CheckpointMeta(
+        step=step, samples_seen=step, world_size=1, epoch=0, batch_in_epoch=step, fingerprint=""
+    )
+    return Snapshot(payload={}, meta=meta, captured_at=0.0)
+
+
+class _FakePersist:
+    """Fails the steps in `failing`, returns a stand-in for the others; `gate` holds a save
+    in flight until the test lets it go."""
+
+    def __init__(self, failing: set[int]) -> None:
+        self.failing = failing
+        self.gate = threading.Event()
+        self.gate.set()
+        self.persisted: list[int] = []
+
+    def __call__(self, snapshot: Snapshot) -> Any:
+        self.gate.wait(timeout=30)
+        self.persisted.append(snapshot.step)
+        if snapshot.step in self.failing:
+            raise OSError(28, f"No space left on device (step {snapshot.step})")
+        return f"committed {snapshot.step}"
+
+
+def test_fake_failure_replaced_by_the_next_save_before_anyone_asked_is_still_reported() -> None:
+    persist = _FakePersist(failing={1})
+    saver = BackgroundSaver(persist)  # type: ignore[arg-type]
+    try:
+        saver.save(_snapshot(1))
+        assert saver.wait_for_saving() is None  # ended with a failure: not raised here
+        saver.save(_snapshot(2))  # the loop's next save replaces the failed one
+        saver.wait_for_saving()
+        failure = saver.take_failure()
+        assert failure is not None
+        step, exc = failure
+        assert (step, type(exc), str(exc)) == (
+            1,
+            OSError,
+            "[Errno 28] No space left on device (step 1)",
+        )
+        assert saver.take_failure() is None  # once
+        assert saver.wait_for_saving() == "committed 2"
+    finally:
+        saver.close()
+    assert persist.persisted == [1, 2]
+
+
+def test_fake_failure_is_not_reported_while_the_save_runs_and_result_claims_it() -> None:
+    persist = _FakePersist(failing={3})
+    saver = BackgroundSaver(persist)  # type: ignore[arg-type]
+    try:
+        persist.gate.clear()
+        pending = saver.save(_snapshot(3))
+        assert saver.in_flight and saver.take_failure() is None  # still running: no failure yet
+        persist.gate.set()
+        with pytest.raises(OSError, match="step 3"):
+            pending.result()
+        assert saver.take_failure() is None  # result() claimed it: not reported twice
+    finally:
+        saver.close()
+
+
+def test_fake_unclaimed_failure_is_logged_at_close(caplog: pytest.LogCaptureFixture) -> None:
+    saver = BackgroundSaver(_FakePersist(failing={5}))  # type: ignore[arg-type]
+    saver.save(_snapshot(5))
+    saver.close()
+    assert "checkpoint step 5 was not committed: [Errno 28] No space left on device (step 5)" in (
+        caplog.text
+    )
+
+
+def test_at_most_one_save_in_flight() -> None:
+    persist = _FakePersist(failing=set())
+    saver = BackgroundSaver(persist)  # type: ignore[arg-type]
+    try:
+        persist.gate.clear()
+        saver.save(_snapshot(1))
+        second = threading.Thread(target=saver.save, args=(_snapshot(2),))
+        second.start()
+        second.join(timeout=0.3)
+        assert second.is_alive() and persist.persisted == []  # waits for the first to end
+        persist.gate.set()
+        second.join(timeout=30)
+        committed: CommittedCheckpoint | None = saver.wait_for_saving()
+        assert committed == "committed 2"  # type: ignore[comparison-overlap]
+    finally:
+        saver.close()
+    assert persist.persisted == [1, 2]
