@@ -139,6 +139,7 @@ def demo(
 )
 @click.option(
     "--save-mode",
+    envvar="RUNNER_SAVE_MODE",
     type=click.Choice(SAVE_MODES),
     default=RunConfig.default("save_mode"),
     show_default=True,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.session.checkpointer import Persist, Snapshot
@@ -68,11 +68,12 @@ class BackgroundSaver:
         with self._lock:
             current = self._current
         if current is not None:
-            try:
-                committed = current.future.result()
-            except BaseException:  # kept on the handle for take_failure
-                return self._last
-            self._last = committed
+            # wait() raises nothing of the save's; an interrupt during the wait (Ctrl-C, a
+            # signal handler's exit) propagates: the save is still in flight, its buffers
+            # must not be captured into
+            wait([current.future])
+            if current.future.exception() is None:
+                self._last = current.future.result()
         return self._last
 
     @property

@@ -98,6 +98,14 @@ class FingerprintsFull(Protocol):
     def full_fingerprint(self, *, primary: bool = True) -> str: ...
 
 
+@runtime_checkable
+class GathersFull(Protocol):
+    """A sharded TrainState that gathers its full state for the fingerprint (collective,
+    like `full_fingerprint`) and leaves the hashing to whoever persists the snapshot."""
+
+    def gather_full(self, *, primary: bool = True) -> dict[str, Any] | None: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Snapshot:
     """One captured state on its way to disk: the payload, the manifest's fields and when its
@@ -157,7 +165,12 @@ def capture(
     if not group.single:
         # each rank its part; the fingerprint of the full state is rank 0's to write
         payload = _capture_ranked(state, group, copy_into)
-        if is_sharded_state(payload.tensors) and isinstance(state, FingerprintsFull):
+        if is_sharded_state(payload.tensors) and isinstance(state, GathersFull):
+            # every rank gathers (a collective on the live model); rank 0 hashes it later
+            gathered = state.gather_full(primary=group.rank == 0)
+            if gathered is not None:
+                digest = functools.partial(fingerprint_tensors, gathered)
+        elif is_sharded_state(payload.tensors) and isinstance(state, FingerprintsFull):
             fingerprint = state.full_fingerprint(primary=group.rank == 0)  # every rank
         elif group.rank == 0 and isinstance(state, FingerprintsFull):
             # a whole model on every rank: rank 0 hashes its (copied) tensors alone

@@ -511,16 +511,16 @@ class TrainSession:
         return pending
 
     def _report_background_failure(self) -> None:
-        """Say once that a background save failed (its failure metric is counted already);
-        the previous checkpoint stands and training goes on."""
+        """Say once that a background save could not be written (its failure metric is
+        counted already): the previous checkpoint stands and training goes on, as after a
+        failed sync save. Any other failure is raised, as a sync save would have."""
         while (failure := self.checkpointer.take_failure()) is not None:
-            step, exc = failure
-            if isinstance(exc, RunnerError):
-                log.error("%s; training continues", exc)
-            else:  # not a save's own error (a bookkeeping callback): still not the loop's end
-                log.error(
-                    "checkpoint step %d: %s: %s; training continues", step, type(exc).__name__, exc
-                )
+            _step, exc = failure
+            if not isinstance(exc, CheckpointWriteError):
+                # anything else (a lost peer, a bug, an object that cannot be saved) ends the
+                # run here as it would have inside a sync save
+                raise exc
+            log.error("%s; training continues", exc)
 
     def _save_failed(self, exc: Exception, step: int) -> Exception:
         """A save of step `step` that failed before its commit: counted; an OSError becomes

@@ -49,16 +49,28 @@ def full_fingerprint(
     lands, hashes it (the primary is rank 0). A model that is whole on every rank (one process,
     DDP) is hashed by the primary alone: the others skip the work. Equal values give the digest
     of `fingerprint` at any world size and sharding."""
-    from runner.state.ranked import full_tensor_state, is_sharded
+    from runner.state.ranked import is_sharded
 
     if not is_sharded(model):
         return fingerprint(model, optimizer) if primary else ""
+    gathered = gather_full(model, optimizer, primary=primary)
+    return fingerprint_tensors(gathered) if gathered is not None else ""
+
+
+def gather_full(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, primary: bool = True
+) -> dict[str, Any] | None:
+    """The full state of a sharded model, gathered to CPU (collective: every rank calls it),
+    as `{"model": ..., "optimizer": ...}` on the primary (rank 0), None on the others: what
+    `fingerprint_tensors` hashes, later if need be (the gathered tensors are copies)."""
+    from runner.state.ranked import full_tensor_state
+
     model_state, optimizer_state = full_tensor_state(model, optimizer)
     if not primary:
-        return ""
+        return None
     if not model_state:
         raise RuntimeError("full_fingerprint: the gathered state is on rank 0, not this primary")
-    return fingerprint_state(model_state, by_param_index(optimizer_state))
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 def fingerprint_tensors(tensors: Mapping[str, Any]) -> str:

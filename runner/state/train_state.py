@@ -32,7 +32,7 @@ from runner.errors import ConfigError, IntegrityError
 from runner.state import rng
 from runner.state.counters import Counters
 from runner.state.fingerprint import fingerprint as fingerprint_of
-from runner.state.fingerprint import fingerprint_payload, full_fingerprint
+from runner.state.fingerprint import fingerprint_payload, full_fingerprint, gather_full
 from runner.state.ranked import RankedPayload, load_tensor_state, split_payload, tensor_state
 from runner.state.sampler import ResumableSampler
 from runner.state.validate import TRAIN_STATE_SCHEMA, check_restorable
@@ -167,6 +167,11 @@ class ModuleTrainState:
         others). Every rank calls it at the same point: an FSDP model is gathered first
         (a collective); a whole one is hashed by the primary alone."""
         return full_fingerprint(self.model, self.optimizer, primary=primary)
+
+    def gather_full(self, *, primary: bool = True) -> dict[str, Any] | None:
+        """A sharded model's full state gathered to the primary (collective), for
+        `fingerprint_tensors` to hash later; None on the other ranks."""
+        return gather_full(self.model, self.optimizer, primary=primary)
 
     def fingerprint_captured(self, captured: dict[str, Any]) -> str:
         """The fingerprint of a `capture()` result: equal to `fingerprint()` at the moment of

@@ -4,6 +4,7 @@ one save in flight, every failure reported exactly once, to whoever asks first."
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,3 +103,67 @@ def test_at_most_one_save_in_flight() -> None:
     finally:
         saver.close()
     assert persist.persisted == [1, 2]
+
+
+def test_a_signal_handler_raising_while_waiting_for_the_save_in_flight_propagates() -> None:
+    """A real signal whose handler raises (SIGINT's KeyboardInterrupt, a handler's sys.exit)
+    during the wait must not return as if the save had ended: the next capture would
+    overwrite host buffers the save is still reading."""
+    import os
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    persist = _FakePersist(failing=set())
+    saver = BackgroundSaver(persist)  # type: ignore[arg-type]
+    previous = signal.signal(signal.SIGUSR2, handler)
+    try:
+        persist.gate.clear()
+        saver.save(_snapshot(1))
+        threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGUSR2)).start()
+        with pytest.raises(Interrupted):
+            saver.wait_for_saving()
+        assert saver.in_flight  # it really was still running
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        persist.gate.set()
+        saver.close()
+    assert persist.persisted == [1]
+
+
+def test_fake_background_failure_that_is_not_a_write_error_ends_the_run_at_the_next_step(
+    tmp_path: Path,
+) -> None:
+    """A write error (disk full) lets training go on; anything else (a bug, an object that
+    cannot be saved, a lost peer) is raised at the next step boundary, as a sync save raises
+    it: not a run that trains on without checkpoints."""
+    from runner.session.train_session import TrainSession
+    from tests.fixtures.train_loop import config, new_state, train_step
+
+    cfg = config(tmp_path, mirror=False, ckpt_every=2, save_mode="async")
+    state = new_state()
+    session = TrainSession(cfg, state=state)
+    try:
+        session.restore()
+        real = session.writer.write_state
+
+        def write_state(payload: dict[str, Any], *, meta: CheckpointMeta) -> CommittedCheckpoint:
+            if meta.step == 2:
+                raise RuntimeError("a bug in the payload")
+            return real(payload, meta=meta)
+
+        session.writer.write_state = write_state  # type: ignore[method-assign]
+        train_step(state)
+        session.step_done()
+        train_step(state)
+        session.step_done()  # step 2's save starts in the background
+        session.checkpointer.wait_for_saving()
+        train_step(state)
+        with pytest.raises(RuntimeError, match="a bug in the payload"):
+            session.step_done()
+    finally:
+        session.close()
