@@ -5,7 +5,6 @@ returns."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -21,21 +20,10 @@ import torch
 
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.verify import verify_dir
+from tests.fixtures.async_saves import mounted_tmpfs as tmpfs
 from tests.fixtures.demo_process import checkpoint_steps, demo_cmd, run_demo, wait_for_step
 from tests.fixtures.metrics_scrape import scrape, value
 from tests.fixtures.prometheus import free_port
-
-
-@contextlib.contextmanager
-def tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
-    mount_point.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], check=True
-    )
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 @pytest.fixture
