@@ -360,11 +360,17 @@ def measure_training(bench: Bench, base: Path, *, every: int, cycles: int) -> Re
 
 def _turn(bench: Bench, session: TrainSession, *, mode: str, steps: int) -> Results:
     stalls: list[float] = []
+    durations: list[float] = []  # each step + its step_done
+    saving: list[bool] = []  # an async save still in flight after that step
+    saver = session.checkpointer.saver
     gc.collect()
     started = time.perf_counter()
     for _ in range(steps):
+        step_started = time.perf_counter()
         bench.step()
         session.step_done()
+        durations.append(time.perf_counter() - step_started)
+        saving.append(isinstance(saver, BackgroundSaver) and saver.in_flight)
         if mode != "none" and session.step % steps == 0:
             assert session.last_stall_seconds is not None
             stalls.append(session.last_stall_seconds)
@@ -374,12 +380,23 @@ def _turn(bench: Bench, session: TrainSession, *, mode: str, steps: int) -> Resu
         "seconds": seconds,
         "steps_per_second": steps / seconds,
         "stall_seconds": stalls,
+        "step_seconds": durations,
     }
     if mode == "async":
-        saver = session.checkpointer.saver
-        assert isinstance(saver, BackgroundSaver)
-        turn["persisted_in_turn"] = not saver.in_flight
+        turn["persisted_in_turn"] = not saving[-1]
+        turn["steps_while_saving"] = sum(saving)
     return turn
+
+
+def steady_share(turn: Results) -> float:
+    """The share of a turn's time its steady steps would take: steps x the median step after
+    the save (and, async, its background half) had ended, over the turn's time. Its ratio to
+    the same round's none turn is a second throughput estimate, one that compares steps
+    seconds apart rather than turns a minute apart (less exposed to a drifting machine)."""
+    durations = turn["step_seconds"]
+    after = 1 + turn.get("steps_while_saving", 0)  # the first step carries the save
+    steady = durations[after:] or durations
+    return len(durations) * statistics.median(steady) / sum(durations)
 
 
 def verify_same_state(bench: Bench, async_dir: Path, sync_dir: Path) -> Results:
@@ -497,6 +514,9 @@ def summarise(results: Results) -> Results:
         summary[f"throughput_{mode}_over_none_total"] = (totals[0] / totals[1]) / (
             totals[2] / totals[3]
         )
+        shares = [steady_share(r[mode]) / steady_share(r["none"]) for r in rounds]
+        summary[f"steady_share_{mode}_over_none"] = statistics.median(shares)
+        summary[f"steady_share_{mode}_over_none_rounds"] = shares
         in_loop = [s for r in rounds for s in r[mode]["stall_seconds"]]
         summary[f"training_{mode}_stall_seconds"] = statistics.median(in_loop)
         summary[f"training_{mode}_first_stall_seconds"] = results["training"]["warmup"][mode][
@@ -505,6 +525,17 @@ def summarise(results: Results) -> Results:
     summary["training_async_persisted_in_turn"] = sum(
         r["async"]["persisted_in_turn"] for r in rounds
     )
+    # how much slower the steps ran while an async save's background half ran beside them
+    during = [d for r in rounds for d in _while_saving(r["async"])]
+    steady = [
+        d
+        for r in rounds
+        for d in r["async"]["step_seconds"][1 + r["async"]["steps_while_saving"] :]
+    ]
+    if during and steady:  # none when a save outlasts its whole turn (N too small)
+        summary["steps_while_saving_over_steady"] = statistics.median(during) / statistics.median(
+            steady
+        )
     summary["step_seconds"] = statistics.median(
         r["none"]["seconds"] / r["none"]["steps"] for r in rounds
     )
@@ -512,6 +543,11 @@ def summarise(results: Results) -> Results:
 
 
 _RATE = ("steps", "seconds")
+
+
+def _while_saving(turn: Results) -> list[float]:
+    """The step times of an async turn after its first step while its save was in flight."""
+    return turn["step_seconds"][1 : 1 + turn["steps_while_saving"]]
 
 
 def _ms(seconds: float) -> str:
@@ -594,6 +630,17 @@ def report(results: Results) -> list[str]:
             f"ratio: throughput {mode} / none{'':{12 - len(mode)}}"
             f"{s[f'throughput_{mode}_over_none']:.3f}x{target}; per round {each}; "
             f"all rounds {s[f'throughput_{mode}_over_none_total']:.3f}x"
+        )
+    for mode in ("async", "sync"):
+        each = ", ".join(f"{r:.3f}" for r in s[f"steady_share_{mode}_over_none_rounds"])
+        lines.append(
+            f"ratio: within-turn estimate {mode} / none{'':{3 - len(mode) + 3}}"
+            f"{s[f'steady_share_{mode}_over_none']:.3f}x; per round {each}"
+        )
+    if "steps_while_saving_over_steady" in s:
+        lines.append(
+            "steps while an async save runs in the background: "
+            f"{s['steps_while_saving_over_steady']:.2f}x the steady step time"
         )
     checks = results["checks"]
     same = checks["async_fingerprint_is_live"] and checks["sync_fingerprint_is_live"]

@@ -84,7 +84,14 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
             assert turn["steps"] == EVERY and turn["steps_per_second"] > 0, (mode, turn)
             # a turn begins with its mode's save; none saves nothing
             assert len(turn["stall_seconds"]) == (0 if mode == "none" else 1), (mode, turn)
-        assert isinstance(one_round["async"]["persisted_in_turn"], bool)
+            assert len(turn["step_seconds"]) == EVERY, (mode, turn)
+        background_turn = one_round["async"]
+        assert isinstance(background_turn["persisted_in_turn"], bool)
+        assert 0 <= background_turn["steps_while_saving"] <= EVERY
+        # the turn's one save starts at its first step: in flight after a prefix of its steps
+        assert background_turn["persisted_in_turn"] == (
+            background_turn["steps_while_saving"] < EVERY
+        )
 
     summary = results["summary"]
     for key in (
@@ -99,6 +106,8 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
         "throughput_async_over_none_total",
         "training_async_stall_seconds",
         "training_sync_first_stall_seconds",
+        "steady_share_async_over_none",
+        "steady_share_sync_over_none",
         "buffers_over_state",
     ):
         assert summary[key] > 0, (key, summary)
@@ -128,6 +137,8 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
         "  sync ",
         "ratio: throughput async / none ",
         "ratio: throughput sync / none ",
+        "ratio: within-turn estimate async / none ",
+        "ratio: within-turn estimate sync / none ",
     ):
         assert any(line.startswith(prefix) for line in lines), (prefix, lines)
     assert lines[-1] == (
