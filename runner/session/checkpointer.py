@@ -119,8 +119,11 @@ class Snapshot:
     """Computes the fingerprint from the payload's own tensors, by whoever persists it (a
     background saver: off the loop); None when `meta.fingerprint` is final already."""
     stall_seconds: float = 0.0
-    """How long the loop was blocked to take this snapshot (a sync save: until the commit,
-    which the saver's caller adds)."""
+    """How long the loop was blocked until this snapshot was taken, from the save's start
+    (the wait for the previous save and the loss log's fsync included; a sync save then
+    blocks on until the commit)."""
+    copy_seconds: float = 0.0
+    """The capture alone: the copy into host memory for a background saver."""
 
     @property
     def step(self) -> int:
@@ -156,8 +159,9 @@ def capture(
     The fingerprint is always that of the payload's own tensors, computed when the snapshot is
     persisted (`Snapshot.digest`), except for a model sharded across ranks: gathering it is a
     collective on the live model, done here by every rank."""
+    began = time.monotonic()
     if captured_at is None:
-        captured_at = time.monotonic()
+        captured_at = began
     counters = state.counters
     payload: dict[str, Any] | RankedPayload
     digest: Callable[[], str] | None = None
@@ -201,6 +205,7 @@ def capture(
         captured_at=captured_at,
         digest=digest,
         stall_seconds=time.monotonic() - captured_at,
+        copy_seconds=time.monotonic() - began,
     )
 
 

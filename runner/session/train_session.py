@@ -550,7 +550,7 @@ class TrainSession:
                 snapshot.reason,
                 committed.manifest.total_bytes / 1e6,
                 f", {committed.manifest.world_size} ranks" if not self.group.single else "",
-                f"async, copied in {snapshot.stall_seconds * 1e3:.0f} ms"
+                f"async, copied in {snapshot.copy_seconds * 1e3:.0f} ms"
                 if self.background
                 else "sync",
             )
