@@ -20,10 +20,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.e2e.test_k8s_manifests import K8S_VERSION, validate_resource
 from tests.fixtures import jobset_schema as js
 from tests.fixtures.cli_options import cli_env_vars
 from tests.fixtures.docker import K8S_DIR, _kubectl, find_resource, render_overlay
+from tests.fixtures.k8s_schema import K8S_VERSION, validate_resource
 
 OVERLAY = "jobset"
 NODE = "node"

@@ -12,123 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 
 from tests.fixtures.cli_options import cli_env_vars
 from tests.fixtures.docker import K8S_DIR, find_resource, render_overlay
+from tests.fixtures.k8s_schema import CRD_SCHEMAS, validate_resource
 
-K8S_VERSION = "1.30.0"
 OVERLAYS = ("single-gpu", "multi-node")
-CRD_GROUP = "monitoring.coreos.com/v1"
 SPOT_LABELS = {
     "cloud.google.com/gke-spot": "true",
     "eks.amazonaws.com/capacityType": "SPOT",
     "karpenter.sh/capacity-type": "spot",
     "kubernetes.azure.com/scalesetpriority": "spot",
 }
-
-_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
-_METADATA = {
-    "type": "object",
-    "required": ["name"],
-    "properties": {"name": {"type": "string", "minLength": 1}, "labels": _LABELS},
-}
-CRD_SCHEMAS: dict[str, dict[str, Any]] = {
-    "PodMonitor": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "metadata": _METADATA,
-            "spec": {
-                "type": "object",
-                "required": ["selector", "podMetricsEndpoints"],
-                "additionalProperties": False,
-                "properties": {
-                    "selector": {
-                        "type": "object",
-                        "properties": {"matchLabels": _LABELS},
-                        "additionalProperties": False,
-                    },
-                    "namespaceSelector": {"type": "object"},
-                    "podMetricsEndpoints": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "required": ["port"],
-                            "additionalProperties": False,
-                            "properties": {
-                                "port": {"type": "string"},
-                                "path": {"type": "string", "pattern": "^/"},
-                                "interval": {"type": "string", "pattern": "^[0-9]+[smh]$"},
-                                "scrapeTimeout": {"type": "string"},
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
-    "PrometheusRule": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "metadata": _METADATA,
-            "spec": {
-                "type": "object",
-                "required": ["groups"],
-                "additionalProperties": False,
-                "properties": {
-                    "groups": {
-                        "type": "array",
-                        "minItems": 1,
-                        "items": {
-                            "type": "object",
-                            "required": ["name", "rules"],
-                            "properties": {
-                                "name": {"type": "string"},
-                                "interval": {"type": "string"},
-                                "rules": {
-                                    "type": "array",
-                                    "minItems": 1,
-                                    "items": {
-                                        "type": "object",
-                                        "required": ["expr"],
-                                        "additionalProperties": False,
-                                        "properties": {
-                                            "alert": {"type": "string"},
-                                            "record": {"type": "string"},
-                                            "expr": {"type": ["string", "integer"]},
-                                            "for": {"type": "string"},
-                                            "keep_firing_for": {"type": "string"},
-                                            "labels": _LABELS,
-                                            "annotations": _LABELS,
-                                        },
-                                    },
-                                },
-                            },
-                        },
-                    }
-                },
-            },
-        },
-    },
-}
-
-
-def validate_resource(doc: dict[str, Any], origin: str) -> None:
-    if doc["apiVersion"] == CRD_GROUP:
-        schema = CRD_SCHEMAS.get(doc["kind"])
-        if schema is None:
-            pytest.fail(f"{origin}: no structural schema for {doc['kind']}")
-        jsonschema.validate(doc, schema)
-        return
-    try:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as exc:
-        pytest.fail(f"{origin}: {doc['kind']} {doc['metadata']['name']}: {exc.message}")
 
 
 def plain_manifest_files() -> list[Path]:
