@@ -118,10 +118,6 @@ class Snapshot:
     digest: Callable[[], str] | None = None
     """Computes the fingerprint from the payload's own tensors, by whoever persists it (a
     background saver: off the loop); None when `meta.fingerprint` is final already."""
-    stall_seconds: float = 0.0
-    """How long the loop was blocked until this snapshot was taken, from the save's start
-    (the wait for the previous save and the loss log's fsync included; a sync save then
-    blocks on until the commit)."""
     copy_seconds: float = 0.0
     """The capture alone: the copy into host memory for a background saver."""
 
@@ -204,7 +200,6 @@ def capture(
         meta=meta,
         captured_at=captured_at,
         digest=digest,
-        stall_seconds=time.monotonic() - captured_at,
         copy_seconds=time.monotonic() - began,
     )
 
@@ -336,22 +331,21 @@ class Checkpointer:
         sync saver that is the whole save, with a background one the wait for the previous
         save (if still running) and the copy into host memory."""
         started = time.monotonic()
-        self.saver.wait_for_saving()
         try:
-            if self._before_capture is not None:
-                self._before_capture()
-            snapshot = capture(
-                state,
-                reason=reason,
-                captured_at=started,
-                group=self.group,
-                extra=extra,
-                copy_into=self.snapshot_to,
-            )
-        except (OSError, RunnerError) as exc:
-            self.last_stall_seconds = time.monotonic() - started
-            self._failed_before_commit(exc, step=state.counters.step)
-        try:
+            self.saver.wait_for_saving()
+            try:
+                if self._before_capture is not None:
+                    self._before_capture()
+                snapshot = capture(
+                    state,
+                    reason=reason,
+                    captured_at=started,
+                    group=self.group,
+                    extra=extra,
+                    copy_into=self.snapshot_to,
+                )
+            except (OSError, RunnerError) as exc:
+                self._failed_before_commit(exc, step=state.counters.step)
             return self.saver.save(snapshot)
         finally:
             self.last_stall_seconds = time.monotonic() - started

@@ -182,7 +182,6 @@ class TrainSession:
         self.exit_code: int | None = None
         self.final_save_seconds: float | None = None
         self.final_upload_landed: bool | None = None
-        self.last_stall_seconds: float | None = None  # how long the last save blocked the loop
         # a stop gave up on start-up's store work: finish() then leaves the store alone
         self.startup_given_up = False
         # steps committed or resumed from by this process: retention need not re-hash them
@@ -251,6 +250,11 @@ class TrainSession:
     @property
     def step(self) -> int:
         return self.state.counters.step
+
+    @property
+    def last_stall_seconds(self) -> float | None:
+        """How long the last save blocked the loop (None before the first)."""
+        return self.checkpointer.last_stall_seconds
 
     @property
     def target_reached(self) -> bool:
@@ -505,7 +509,6 @@ class TrainSession:
         try:
             pending = self.checkpointer.save(self.state, reason=reason, extra=extra)
         finally:
-            self.last_stall_seconds = self.checkpointer.last_stall_seconds
             if self.metrics is not None and self.last_stall_seconds is not None:
                 self.metrics.checkpoint_stalled(self.last_stall_seconds)
         return pending
