@@ -12,7 +12,8 @@
 Every rank takes part in every collective whatever failed locally, so a failure on one rank
 is reported on all of them instead of leaving the others waiting; a rank that dies leaves
 the others' collectives failing (PeerLostError) and the staging dir to `cleanup_partial`.
-The ranks of one node share its run dir (several nodes, one dir each: issue 14).
+The ranks of one node share its run dir. Several nodes, each on its own disk, commit in the
+mirror instead (runner.mirror.nodes), with the same parts and failure reports.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class LoadsRanked(Protocol):
 
 
 @dataclass(frozen=True)
-class _Failed:
+class Failed:
     """What went wrong on one rank, as every rank is told."""
 
     rank: int
@@ -71,40 +72,41 @@ def write_ranked(
             stage = staging.__enter__()
         except (OSError, RunnerError) as exc:
             # the others wait for the staging dir's name: tell them instead
-            group.broadcast([_Failed(0, f"could not create the staging directory: {exc}")])
+            group.broadcast([Failed(0, f"could not create the staging directory: {exc}")])
             raise
         with contextlib.ExitStack() as cleanup:
             cleanup.push(staging)
             group.broadcast(stage.path.name)
-            entries = _write_part(stage, part, group)
+            entries = write_part(stage, part, group)
             parts = group.all_gather(entries)
-            failed = [p for p in parts if isinstance(p, _Failed)]
+            failed = [p for p in parts if isinstance(p, Failed)]
             if failed:
                 group.broadcast(failed)
-                raise _error(failed, rank=0)
+                raise not_committed(failed, rank=0)
             stage.files = [entry for p in parts for entry in p]
             try:
                 committed = writer.commit(stage, meta=meta, format=FORMAT_DCP)
             except (OSError, RunnerError) as exc:
-                group.broadcast([_Failed(0, f"the commit failed: {exc}")])
+                group.broadcast([Failed(0, f"the commit failed: {exc}")])
                 raise
             group.broadcast(committed)
             return committed
-    name: str | list[_Failed] = group.broadcast("")
+    name: str | list[Failed] = group.broadcast("")
     if isinstance(name, list):
-        raise _error(name, rank=group.rank)
+        raise not_committed(name, rank=group.rank)
     stage = Staging(writer.ckpt_dir / name)
-    group.all_gather(_write_part(stage, part, group))
+    group.all_gather(write_part(stage, part, group))
     outcome = group.broadcast(None)
     if isinstance(outcome, list):
-        raise _error(outcome, rank=group.rank)
+        raise not_committed(outcome, rank=group.rank)
     assert isinstance(outcome, CommittedCheckpoint)
     return outcome
 
 
-def _write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEntry] | _Failed:
-    """This rank's files in the staging dir, or what failed (never raised: every rank must
-    reach the gather that follows)."""
+def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEntry] | Failed:
+    """COLLECTIVE (DCP's save): this rank's files in `stage` (rank 0's include DCP's index
+    and the shared train state), or what failed (never raised: every rank must reach the
+    gather that follows)."""
     try:
         entries = save_dcp(stage.path, part.tensors, process_group=group.process_group)
         own = Staging(stage.path)  # this rank's own list; the stage's is rank 0's manifest
@@ -113,11 +115,11 @@ def _write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileE
             entries.append(own.write_torch(TRAIN_STATE_FILE, part.shared))
     except (OSError, RunnerError, RuntimeError) as exc:
         log.error("rank %d could not write its part of the checkpoint: %s", part.rank, exc)
-        return _Failed(part.rank, str(exc))
+        return Failed(part.rank, str(exc))
     return entries
 
 
-def _error(failed: list[_Failed], *, rank: int) -> CheckpointWriteError:
+def not_committed(failed: list[Failed], *, rank: int) -> CheckpointWriteError:
     what = "; ".join(f"rank {f.rank}: {f.what}" for f in failed)
     mine = " (this one)" if any(f.rank == rank for f in failed) else ""
     return CheckpointWriteError(
@@ -133,11 +135,14 @@ def load_ranked(
     *,
     group: Group,
     restore_rng: bool = True,
+    dcp_reader: Any = None,
 ) -> Counters:
     """Load a torch-dcp checkpoint that was verified against `manifest` into `state`, on
     every rank at once (DCP reshards the tensors to this world size). A rank of a number the
     checkpoint has no file for (the world grew) takes rank 0's sampler position, which is
-    counted in samples and the same for every rank, and keeps its RNG as seeded."""
+    counted in samples and the same for every rank, and keeps its RNG as seeded.
+    `dcp_reader`: DCP's storage reader for the tensors (default: the files in `step_dir`;
+    runner.mirror.nodes passes one that fetches the files this rank's plan reads)."""
     source = str(step_dir)
     listed = {entry.path for entry in manifest.files}
     for needed in (TRAIN_STATE_FILE, rank_file_name(0)):
@@ -156,7 +161,9 @@ def load_ranked(
             manifest.world_size,
         )
     return state.load_ranked(
-        lambda template: load_dcp(step_dir, template, process_group=group.process_group),
+        lambda template: load_dcp(
+            step_dir, template, process_group=group.process_group, storage_reader=dcp_reader
+        ),
         shared=shared,
         own=own,
         restore_rng=restore_rng,

@@ -37,7 +37,13 @@ from runner.atomicity.publish import Existing, publish_dir
 from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp, temp_name
 from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
-from runner.checkpoint.manifest import FORMAT_CHUNKED, FORMAT_TORCH, Manifest, schema_for
+from runner.checkpoint.manifest import (
+    FORMAT_CHUNKED,
+    FORMAT_TORCH,
+    FileEntry,
+    Manifest,
+    schema_for,
+)
 from runner.checkpoint.payload import STATE_FILE, with_schema
 from runner.checkpoint.staging import Staging
 from runner.checkpoint.verify import verify_dir
@@ -76,6 +82,9 @@ class CommittedCheckpoint:
     step: int
     path: Path
     manifest: Manifest
+    bucket_only: bool = False
+    """Committed in the mirror alone, by the ranks of several nodes (runner.mirror.nodes):
+    `path` is where it would be locally, and holds nothing; `manifest` is the local form."""
 
 
 class CheckpointWriter:
@@ -221,7 +230,11 @@ class CheckpointWriter:
             with _IN_FLIGHT_LOCK:
                 _IN_FLIGHT.discard(str(path.absolute()))
 
-    def _commit(self, stage: Staging, *, meta: CheckpointMeta, format: str) -> CommittedCheckpoint:
+    def manifest_for(
+        self, files: list[FileEntry], *, meta: CheckpointMeta, format: str
+    ) -> Manifest:
+        """The manifest of a checkpoint of `files` (this writer's run and identity), checked;
+        `commit` writes it, a multi-node commit puts it in the bucket (runner.mirror.nodes)."""
         manifest = Manifest(
             schema=schema_for(format),  # the lowest that expresses it
             step=meta.step,
@@ -233,10 +246,14 @@ class CheckpointWriter:
             writer=self.writer_id,
             format=format,
             fingerprint=meta.fingerprint,
-            files=sorted(stage.files, key=lambda f: f.path),
+            files=sorted(files, key=lambda f: f.path),
             extra=dict(meta.extra),
         )
-        manifest.validate(source=f"{stage.path}/{MANIFEST_NAME}")
+        manifest.validate(source=f"{self.ckpt_dir}/{step_dir_name(meta.step)}/{MANIFEST_NAME}")
+        return manifest
+
+    def _commit(self, stage: Staging, *, meta: CheckpointMeta, format: str) -> CommittedCheckpoint:
+        manifest = self.manifest_for(stage.files, meta=meta, format=format)
         with HashingFileWriter(stage.path / MANIFEST_NAME, parallel_hash=False) as out:
             out.write(manifest.to_json())
             out.commit(sync_dir=False)

@@ -221,12 +221,13 @@ class Mirror:
     def _upload(self, ckpt: CommittedCheckpoint) -> None:
         started = time.monotonic()
         try:
-            upload_checkpoint(
-                self.storage,
-                ckpt.path,
-                writer_id=self.writer_id,
-                verify_existing=ckpt.step in self._suspect,
-            )
+            if not ckpt.bucket_only:  # one the ranks of several nodes committed here already
+                upload_checkpoint(
+                    self.storage,
+                    ckpt.path,
+                    writer_id=self.writer_id,
+                    verify_existing=ckpt.step in self._suspect,
+                )
         except StorageConflictError as exc:
             log.warning("mirror: %s", exc)
             self._failed(ckpt.step, str(exc))

@@ -66,7 +66,7 @@ def upload_checkpoint(
     them."""
     step_dir = Path(step_dir)
     local = read_manifest_dir(step_dir)
-    existing = _existing(storage, local, verify=verify_existing)
+    existing = existing_copy(storage, local, verify=verify_existing)
     if existing is not None:
         return existing
 
@@ -83,7 +83,7 @@ def upload_checkpoint(
             return settled
         raise
     except BaseException:
-        _discard_attempt(storage, base=base, attempt=attempt)
+        discard_attempt(storage, base=base, attempt=attempt)
         raise
     log.info(
         "uploaded checkpoint step %d to %s (%d files, %d bytes)",
@@ -105,8 +105,8 @@ def _settle_conflict(
         # our own earlier try landed; only its answer was lost (the retry got 412)
         log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
         return remote
-    _discard_attempt(storage, base=base, attempt=attempt)
-    return _existing(storage, local, verify=False)
+    discard_attempt(storage, base=base, attempt=attempt)
+    return existing_copy(storage, local, verify=False)
 
 
 def _send_files(
@@ -122,7 +122,7 @@ def _send_files(
     each checked against the local manifest's size and sha256."""
 
     def send(entry: FileEntry, key: str) -> None:
-        _upload_one(
+        upload_file(
             storage,
             key=key,
             src=step_dir / entry.path,
@@ -134,22 +134,24 @@ def _send_files(
     for_each_file(local, remote, send, file_workers=file_workers, name="upload")
 
 
-def _upload_one(
+def upload_file(
     storage: Storage,
     *,
     key: str,
     src: Path,
     size: int,
     sha256: str,
-    progress: ProgressCallback | None,
+    progress: ProgressCallback | None = None,
 ) -> None:
+    """One file to `key`, its sha256 checked by the backend where it can, its stored size
+    checked after."""
     storage.put_file(key, src, sha256=sha256, progress=progress)
     stored = storage.head(key).size
     if stored != size:
         raise StorageTransientError(f"{storage.uri}/{key}: stored {stored} bytes, sent {size}")
 
 
-def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | None:
+def existing_copy(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | None:
     """The mirror's copy of this checkpoint when it already holds it; None when the step is
     free (nothing there, or a corrupt checkpoint that was just de-committed). Raises
     StorageConflictError when the step holds another good checkpoint or one this runner does
@@ -192,7 +194,7 @@ def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | 
     )
 
 
-def _discard_attempt(storage: Storage, *, base: str, attempt: str) -> None:
+def discard_attempt(storage: Storage, *, base: str, attempt: str) -> None:
     """Remove what this attempt uploaded (best effort: objects without a manifest are
     invisible to readers anyway)."""
     try:

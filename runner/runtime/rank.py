@@ -114,6 +114,12 @@ class RankContext:
         return self.is_primary or not self.coordinated
 
     @property
+    def multi_node(self) -> bool:
+        """Coordinated ranks on more than one node: each node has its own run dir, and the
+        mirror is the only state they share (runner.mirror.nodes)."""
+        return self.coordinated and self.world_size > self.local_world_size
+
+    @property
     def acts_as_node_primary(self) -> bool:
         """Whether this process does its node's work (run-dir lock, metrics endpoint, notice
         poller): local rank 0 of coordinated ranks, and every process that runs alone."""

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
 
 from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest
@@ -48,7 +48,14 @@ from runner.state.fingerprint import fingerprint_tensors
 from runner.state.host_copy import HostBuffers
 from runner.state.ranked import RankedPayload, is_sharded_state
 
+if TYPE_CHECKING:
+    from runner.mirror.nodes import NodeBucket
+
 log = logging.getLogger(__name__)
+
+# what a resume from the mirror alone reads for `load_point`: the mirror's manifest, whose
+# files each rank fetches itself (runner.mirror.nodes)
+IN_BUCKET = "bucket_manifest"
 
 
 class TrainState(Protocol):
@@ -305,6 +312,7 @@ class Checkpointer:
         group: Group = SINGLE,
         snapshot_to: HostBuffers | None = None,
         save_group: Group | None = None,
+        bucket: NodeBucket | None = None,
     ) -> None:
         self.writer = writer
         self.group = group  # several ranks: every load (and sync save) is collective over it
@@ -313,6 +321,8 @@ class Checkpointer:
         self.save_group = save_group if save_group is not None else group
         # a background saver: the loop copies the state into these buffers and goes on
         self.snapshot_to = snapshot_to
+        # ranks on several nodes: every multi-rank save is committed in the mirror
+        self.bucket = bucket
         self.last_stall_seconds: float | None = None  # how long the last save blocked the loop
         self._on_commit = on_commit
         self._retention = retention
@@ -362,7 +372,17 @@ class Checkpointer:
         the commit's failure is the save's; the callbacks' errors propagate unclassified."""
         try:
             meta = snapshot.final_meta()
-            if isinstance(snapshot.payload, RankedPayload):
+            if isinstance(snapshot.payload, RankedPayload) and self.bucket is not None:
+                from runner.mirror.nodes import commit_to_bucket
+
+                committed = commit_to_bucket(
+                    self.writer,
+                    snapshot.payload,
+                    meta=meta,
+                    group=self.save_group,
+                    bucket=self.bucket,
+                )
+            elif isinstance(snapshot.payload, RankedPayload):
                 from runner.checkpoint.ranked import write_ranked
 
                 committed = write_ranked(
@@ -429,6 +449,18 @@ class Checkpointer:
                     f"{step_dir} was written by several ranks (torch-dcp) and "
                     f"{type(state).__name__} has no load_ranked: resume it with a "
                     "ModuleTrainState"
+                )
+            remote = loaded.get(IN_BUCKET)
+            if isinstance(remote, Manifest) and self.bucket is not None:
+                from runner.mirror.nodes import load_from_bucket
+
+                return load_from_bucket(
+                    state,
+                    remote,
+                    writer=self.writer,
+                    group=self.group,
+                    bucket=self.bucket,
+                    restore_rng=restore_rng,
                 )
             return load_ranked(state, step_dir, manifest, group=self.group, restore_rng=restore_rng)
         return self.load_into(state, lambda _template: loaded, restore_rng=restore_rng)

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.writer import CommittedCheckpoint
@@ -90,34 +90,47 @@ def resolve_on_primary(
     """Rank 0's resume point, on every rank: rank 0 runs `resolve`, the others `read` the
     checkpoint it chose. What rank 0 raises (a refusal, start-up given up) is raised there and
     re-raised on the others as a RunnerError with the same exit code."""
-    if group.rank == 0:
-        outcome: _Chosen | _Refused | None
-        try:
-            point = resolve()
-        except RunnerError as exc:
-            group.broadcast(_Refused(str(exc), exc.exit_code))
-            raise
-        except BaseException:
-            group.broadcast(_Refused("rank 0 failed while choosing the checkpoint", 1))
-            raise
-        outcome = None
-        if point is not None:
-            outcome = _Chosen(point.step, point.step_dir, point.manifest, point.from_mirror)
-        group.broadcast(outcome)
+    point: ResumePoint[T] | None = None
+
+    def choose() -> _Chosen | None:
+        nonlocal point
+        point = resolve()
+        if point is None:
+            return None
+        return _Chosen(point.step, point.step_dir, point.manifest, point.from_mirror)
+
+    chosen = decided_on_primary(group, choose)
+    if group.rank == 0 or chosen is None:
         return point
-    chosen = group.broadcast(None)
-    if chosen is None:
-        return None
-    if isinstance(chosen, _Refused):
-        if chosen.exit_code == EXIT_PREEMPTED:
-            raise StartupInterrupted(f"rank 0: {chosen.error}")
-        raise _PeerRefusal(chosen.error, chosen.exit_code)
     checkpoint = CommittedCheckpoint(step=chosen.step, path=chosen.path, manifest=chosen.manifest)
     return ResumePoint(
         checkpoint=checkpoint,
         loaded=read(chosen.path, chosen.manifest),
         from_mirror=chosen.from_mirror,
     )
+
+
+def decided_on_primary(group: Group, decide: Callable[[], T]) -> T:
+    """Rank 0's `decide()`, broadcast to every rank (which must all call this at the same
+    point). What rank 0 raises is raised there and re-raised on the others as a RunnerError
+    with the same exit code (StartupInterrupted for a stop that gave start-up up)."""
+    if group.rank == 0:
+        try:
+            outcome = decide()
+        except RunnerError as exc:
+            group.broadcast(_Refused(str(exc), exc.exit_code))
+            raise
+        except BaseException:
+            group.broadcast(_Refused("rank 0 failed while choosing the checkpoint", 1))
+            raise
+        group.broadcast(outcome)
+        return outcome
+    received: Any = group.broadcast(None)
+    if isinstance(received, _Refused):
+        if received.exit_code == EXIT_PREEMPTED:
+            raise StartupInterrupted(f"rank 0: {received.error}")
+        raise _PeerRefusal(received.error, received.exit_code)
+    return cast(T, received)
 
 
 class _PeerRefusal(RunnerError):

@@ -27,7 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from runner.checkpoint.layout import CHECKPOINTS_DIR
+from runner.checkpoint.layout import CHECKPOINTS_DIR, step_dir_name
+from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import SINGLE, Group
@@ -40,16 +41,23 @@ from runner.errors import (
 )
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.policy import SavePolicy
-from runner.preemption.startup import StartupInterrupted
+from runner.preemption.startup import StartupInterrupted, run_interruptible
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
-from runner.runtime.lifecycle import ResumePoint, end_run, report_resume
+from runner.runtime.lifecycle import ResumePoint, end_run, report_resume, stop_deadline
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
-from runner.session.checkpointer import Checkpointer, PendingSave, Snapshot, TrainState
+from runner.session.checkpointer import (
+    IN_BUCKET,
+    Checkpointer,
+    PendingSave,
+    Snapshot,
+    TrainState,
+)
 from runner.session.coordination import (
     PEER_STOP,
     agree_on_step,
+    decided_on_primary,
     resolve_on_primary,
     target_samples,
 )
@@ -66,6 +74,7 @@ from runner.state.train_state import Counters
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
+    from runner.mirror.nodes import NodeBucket
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +159,8 @@ class TrainSession:
             save_group = dedicated_group(timeout_s=config.collective_timeout)
         self.metrics: RunnerMetrics | None = services.metrics
         self.mirror: Mirror | None = services.mirror
+        # several nodes, each on its own disk: checkpoints are committed in the mirror
+        self.bucket = self._node_bucket() if rank.multi_node and not self.group.single else None
         self.run_dir = Path(config.run_dir)
         self.ckpt_dir = self.run_dir / CHECKPOINTS_DIR
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +185,7 @@ class TrainSession:
             before_capture=self.loss_log.sync,
             on_failure=self._save_failed,
             group=self.group,
+            bucket=self.bucket,
             **_saving(self.background, save_group),
         )
         self.last_checkpoint: CommittedCheckpoint | None = None
@@ -210,6 +222,29 @@ class TrainSession:
                 run_services(self.config, self.stop, rank=self.rank)
             )
         return services
+
+    def _node_bucket(self) -> NodeBucket:
+        """Every rank's handle on the mirror for a job on several nodes (each rank uploads
+        and fetches its own files); --mirror is required there."""
+        from runner.mirror.nodes import NodeBucket
+        from runner.storage import open_storage
+
+        if self.config.mirror is None:
+            raise ConfigError(
+                f"this job runs on several nodes ({self.rank.world_size} ranks, "
+                f"{self.rank.local_world_size} on this one) and has no --mirror: with each "
+                "node on its own disk the mirror is the only place a checkpoint of every "
+                "rank can be committed. Give every node the same --mirror (s3://bucket/run)"
+            )
+        storage = open_storage(
+            self.config.mirror, store_timeout_s=self.config.store_timeout, give_up_once=False
+        )
+        grace = self.config.grace_seconds
+        return NodeBucket(
+            storage=storage,
+            writer_id=self.config.writer_id,
+            deadline=lambda: stop_deadline(self.stop, grace_seconds=grace),
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -288,8 +323,8 @@ class TrainSession:
         (runner.preemption.startup):
         then nothing is restored or trained, `should_stop` is true and `finish()` exits 75
         without saving or uploading anything; every checkpoint stays as it was."""
-        if self.rank.acts_as_primary:
-            self.writer.cleanup_partial()
+        if self.rank.acts_as_primary or (self.bucket is not None and self.rank.is_local_primary):
+            self.writer.cleanup_partial()  # several nodes: each cleans its own disk
         try:
             point = self._load_newest()
         except StartupInterrupted as exc:
@@ -312,7 +347,7 @@ class TrainSession:
             self._agree_startup()
             return None
         counters = self._resume_from(point)
-        if self.mirror is not None:
+        if self.mirror is not None and not point.checkpoint.bucket_only:
             try:
                 keep_mirrored(point, mirror=self.mirror, stop=self.stop, metrics=self.metrics)
             except StartupInterrupted as exc:
@@ -412,9 +447,39 @@ class TrainSession:
         report_startup_given_up(exc, resumed_from=self.resumed_from, ckpt_dir=self.ckpt_dir)
 
     def _load_newest(self) -> ResumePoint[dict[str, Any]] | None:
+        if self.bucket is not None:
+            return self._newest_in_bucket(self.bucket)
         if not self.group.single:
             return resolve_on_primary(self.group, self._read_newest, self.checkpointer.read)
         return self._read_newest()
+
+    def _newest_in_bucket(self, bucket: NodeBucket) -> ResumePoint[dict[str, Any]] | None:
+        """Several nodes: rank 0 picks the mirror's newest whole checkpoint (given up on by
+        a stop), every rank learns its manifest; `_resume_from` then fetches what each
+        rank reads. The run dirs hold no checkpoint (runner.mirror.nodes)."""
+        from runner.mirror.nodes import newest_in_bucket
+        from runner.mirror.remote_layout import to_local
+
+        def find() -> Manifest | None:
+            if self.config.fresh_start:
+                return None
+            return run_interruptible(
+                lambda: newest_in_bucket(bucket.storage),
+                stop=self.stop,
+                what=f"looking for the newest checkpoint in {bucket.storage.uri}",
+            )
+
+        remote = decided_on_primary(self.group, find)
+        if remote is None:
+            return None
+        local = to_local(remote, source=f"{bucket.storage.uri}: step {remote.step}")
+        checkpoint = CommittedCheckpoint(
+            step=remote.step,
+            path=self.ckpt_dir / step_dir_name(remote.step),
+            manifest=local,
+            bucket_only=True,
+        )
+        return ResumePoint(checkpoint=checkpoint, loaded={IN_BUCKET: remote}, from_mirror=True)
 
     def _read_newest(self) -> ResumePoint[dict[str, Any]] | None:
         return read_newest(

@@ -161,13 +161,14 @@ def load_dcp(
     state_dict: dict[str, Any],
     *,
     process_group: ProcessGroup | None = None,
+    storage_reader: Any = None,
 ) -> None:
     """COLLECTIVE: load the checkpoint in `step_dir` into `state_dict`'s tensors in place,
     resharded to this world size (written by N ranks, read by M). The caller verified the
-    files first."""
+    files first (or passes a `storage_reader` that fetches and verifies what it reads)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(Path(step_dir))
+    reader = storage_reader or dcp.FileSystemReader(Path(step_dir))
     _collective(
         lambda no_dist: dcp.load(
             state_dict, storage_reader=reader, process_group=process_group, no_dist=no_dist

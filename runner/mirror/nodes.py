@@ -1,0 +1,303 @@
+"""A job on several nodes, each on its own disk: the mirror is the only shared state, and the
+mirror's manifest is the one commit point of a checkpoint.
+
+Saving (`commit_to_bucket`, every rank at the same step):
+
+    every rank  DCP save of its part into a staging dir of its own on its node's disk
+                (runner.checkpoint.ranked.write_part: hashed and fsynced as written), then
+                uploads those files to this save's attempt dir in the mirror,
+                `checkpoints/step_N/<attempt>/`, each checked there (size; the backend's
+                checksum where it has one); the ranks of all nodes upload at once
+    all_gather  each rank's file entries, or what went wrong on it
+    rank 0      the manifest (every rank's files, world_size) put last, create-only: the
+                checkpoint exists from that instant; the outcome is broadcast
+    every rank  removes its staging dir (a node keeps no copy: nothing local claims to be a
+                checkpoint that only the mirror holds whole)
+
+Resuming (`resolve_in_bucket` then `load_from_bucket`): rank 0 picks the newest checkpoint
+in the mirror whose files are all there at their sizes and broadcasts its manifest; each
+rank fetches into a scratch dir of its own only the files it reads, each verified against
+the manifest as it arrives (sha256, size): DCP's index, the shared train state, its own rank
+file, and the data files its load plan names (DCP reshards: M ranks read what N wrote).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.atomicity.temp import temp_name
+from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
+from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, manifest_key, step_dir_name
+from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest
+from runner.checkpoint.ranked import Failed, LoadsRanked, load_ranked, not_committed, write_part
+from runner.checkpoint.staging import Staging
+from runner.checkpoint.verify import check_remote_sizes
+from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.collective.group import Group
+from runner.errors import (
+    IntegrityError,
+    RunnerError,
+    SchemaError,
+    StorageConflictError,
+)
+from runner.mirror.remote_layout import new_attempt_id, to_local, to_remote
+from runner.mirror.upload import discard_attempt, existing_copy, upload_file
+from runner.state.counters import Counters
+from runner.state.ranked import RankedPayload
+from runner.storage.base import Storage
+from runner.storage.retry import store_deadline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeBucket:
+    """What every rank of a multi-node job needs to commit in, and resume from, the mirror."""
+
+    storage: Storage
+    writer_id: str
+    deadline: Callable[[], float | None] = lambda: None
+    """A stop's deadline (monotonic) when one was requested: no upload waits past it."""
+
+
+# -- saving -----------------------------------------------------------------------------------
+
+
+def commit_to_bucket(
+    writer: CheckpointWriter,
+    part: RankedPayload,
+    *,
+    meta: CheckpointMeta,
+    group: Group,
+    bucket: NodeBucket,
+) -> CommittedCheckpoint:
+    """COLLECTIVE: commit one checkpoint of every rank's part in the mirror (module
+    docstring); returns it on every rank (`bucket_only`), or raises on every rank."""
+    attempt: str | list[Failed] = ""
+    if group.rank == 0:
+        attempt = new_attempt_id(bucket.writer_id)
+    attempt = group.broadcast(attempt)
+    if isinstance(attempt, list):  # never today; kept so a failed choice can be told
+        raise not_committed(attempt, rank=group.rank)
+    base = f"{checkpoint_key(meta.step)}/{attempt}"
+    with contextlib.ExitStack() as stack:
+        try:
+            stage: Staging | Failed = stack.enter_context(writer.staging(meta.step))
+        except (OSError, RunnerError) as exc:
+            stage = Failed(group.rank, f"could not create its staging directory: {exc}")
+        # DCP's save is collective: every rank enters it, or none does
+        staged = [p for p in group.all_gather(stage) if isinstance(p, Failed)]
+        if staged:
+            parts: list[Any] = staged
+        else:
+            assert isinstance(stage, Staging)
+            outcome = write_part(stage, part, group)
+            if not isinstance(outcome, Failed):
+                outcome = _upload_part(stage, outcome, bucket=bucket, base=base, rank=group.rank)
+            parts = group.all_gather(outcome)
+    failed = [p for p in parts if isinstance(p, Failed)]
+    if group.rank != 0:
+        result = group.broadcast(None)
+        if isinstance(result, list):
+            raise not_committed(result, rank=group.rank)
+        assert isinstance(result, CommittedCheckpoint)
+        return result
+    try:
+        if failed:
+            raise not_committed(failed, rank=0)
+        files = [entry for p in parts for entry in p]
+        local = writer.manifest_for(files, meta=meta, format=FORMAT_DCP)
+        manifest = _put_manifest(bucket, local, attempt=attempt)
+    except BaseException as exc:
+        with store_deadline(bucket.deadline()):
+            discard_attempt(bucket.storage, base=checkpoint_key(meta.step), attempt=attempt)
+        group.broadcast(failed or [Failed(0, f"the manifest was not written: {exc}")])
+        raise
+    committed = CommittedCheckpoint(
+        step=meta.step,
+        path=writer.ckpt_dir / step_dir_name(meta.step),
+        manifest=manifest,
+        bucket_only=True,
+    )
+    group.broadcast(committed)
+    return committed
+
+
+def _upload_part(
+    stage: Staging, entries: list[FileEntry], *, bucket: NodeBucket, base: str, rank: int
+) -> list[FileEntry] | Failed:
+    """This rank's files into the attempt dir, each checked there; what failed otherwise."""
+    try:
+        with store_deadline(bucket.deadline()):
+            for entry in entries:
+                upload_file(
+                    bucket.storage,
+                    key=f"{base}/{entry.path}",
+                    src=stage.path / entry.path,
+                    size=entry.size,
+                    sha256=entry.sha256,
+                )
+    except (OSError, RunnerError) as exc:
+        log.error("rank %d could not upload its part of the checkpoint: %s", rank, exc)
+        return Failed(rank, f"upload to {bucket.storage.uri} failed: {exc}")
+    return entries
+
+
+def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manifest:
+    """The manifest, create-only: the commit. The step already holding the same checkpoint
+    counts as committed; one holding a corrupt copy is healed (set aside, then this one);
+    another good checkpoint there is never replaced (StorageConflictError)."""
+    storage = bucket.storage
+    remote = to_remote(local, attempt=attempt)
+    with store_deadline(bucket.deadline()):
+        for _ in range(2):  # a second try only after a corrupt copy was de-committed
+            try:
+                storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
+            except StorageConflictError:
+                there = existing_copy(storage, local, verify=False)
+                if there is None:
+                    continue
+                if there.extra.get(ATTEMPT_FIELD) != attempt:
+                    discard_attempt(storage, base=checkpoint_key(local.step), attempt=attempt)
+                return local
+            log.info(
+                "checkpoint step %d committed in %s (%d files from %d ranks, %.1f MB)",
+                local.step,
+                storage.uri,
+                len(local.files),
+                local.world_size,
+                local.total_bytes / 1e6,
+            )
+            return local
+    raise StorageConflictError(f"{storage.uri}: step {local.step} could not be committed")
+
+
+# -- resuming ---------------------------------------------------------------------------------
+
+
+def newest_in_bucket(storage: Storage) -> Manifest | None:
+    """The mirror's newest multi-rank checkpoint that is whole by the cheap check (manifest,
+    every file at its size; the bytes are hashed as each rank fetches them), or None. A step
+    that fails the check is skipped with a warning (never touched: a later upload heals it)."""
+    for step in reversed(list_checkpoints(storage)):
+        try:
+            manifest = check_remote_sizes(storage, step)
+        except SchemaError as exc:
+            log.warning("not resuming from step %d in %s: %s", step, storage.uri, exc)
+            continue
+        except IntegrityError as exc:
+            log.warning("not resuming from step %d in %s: %s", step, storage.uri, exc)
+            continue
+        if manifest.format != FORMAT_DCP:
+            log.warning(
+                "not resuming from step %d in %s: it was written by one process (%s); a job "
+                "on several nodes resumes from one its ranks wrote (torch-dcp)",
+                step,
+                storage.uri,
+                manifest.format,
+            )
+            continue
+        return manifest
+    return None
+
+
+def load_from_bucket(
+    state: LoadsRanked,
+    remote: Manifest,
+    *,
+    writer: CheckpointWriter,
+    group: Group,
+    bucket: NodeBucket,
+    restore_rng: bool = True,
+) -> Counters:
+    """COLLECTIVE: load the mirror's checkpoint `remote` (its manifest as stored) into
+    `state` on every rank, each fetching only the files it reads (module docstring)."""
+    local = to_local(remote, source=f"{bucket.storage.uri}/{manifest_key(remote.step)}")
+    scratch = writer.ckpt_dir / temp_name(f"fetch-{step_dir_name(remote.step)}")
+    fetcher = _Fetcher(bucket.storage, remote, local, scratch)
+    try:
+        listed = {entry.path for entry in local.files}
+        own = rank_file_name(group.rank)
+        first = [DCP_METADATA, TRAIN_STATE_FILE, own if own in listed else rank_file_name(0)]
+        problem: str | None = None
+        try:
+            fetcher.fetch(first)
+        except (OSError, RunnerError) as exc:
+            problem = f"rank {group.rank}: {exc}"
+        # DCP's load is collective: every rank enters it, or none does
+        problems = [p for p in group.all_gather(problem) if p is not None]
+        if problems:
+            raise IntegrityError(
+                f"step {remote.step} in {bucket.storage.uri} could not be fetched: "
+                + "; ".join(problems)
+            )
+        return load_ranked(
+            state,
+            scratch,
+            local,
+            group=group,
+            restore_rng=restore_rng,
+            dcp_reader=_fetching_reader(scratch, fetcher),
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if group.rank == 0 or fetcher.fetched:
+            log.info(
+                "rank %d fetched %d of the %d files of step %d from %s (%.1f MB)",
+                group.rank,
+                len(fetcher.fetched),
+                len(local.files),
+                remote.step,
+                bucket.storage.uri,
+                fetcher.fetched_bytes / 1e6,
+            )
+
+
+class _Fetcher:
+    """Fetches files of one checkpoint into `scratch`, each hashed against the manifest."""
+
+    def __init__(self, storage: Storage, remote: Manifest, local: Manifest, scratch: Path) -> None:
+        self.storage = storage
+        self.scratch = scratch
+        base = checkpoint_key(remote.step)
+        self._keys = {
+            mine.path: (f"{base}/{theirs.path}", mine)
+            for mine, theirs in zip(local.files, remote.files, strict=True)
+        }
+        self.fetched: list[str] = []
+        self.fetched_bytes = 0
+
+    def fetch(self, names: Iterable[str]) -> None:
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        for name in sorted(set(names)):
+            if name in self.fetched:
+                continue
+            if name not in self._keys:
+                raise IntegrityError(f"{self.storage.uri}: the manifest does not list {name}")
+            key, entry = self._keys[name]
+            dst = self.scratch / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            self.storage.get_file(key, dst, sha256=entry.sha256, size=entry.size)
+            self.fetched.append(name)
+            self.fetched_bytes += entry.size
+
+
+def _fetching_reader(scratch: Path, fetcher: _Fetcher) -> Any:
+    """DCP's file reader over `scratch` that first fetches the data files this rank's load
+    plan reads (built on first use: importing this module imports no torch.distributed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class FetchingReader(FileSystemReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            fetcher.fetch(needed)
+            return super().read_data(plan, planner)
+
+    return FetchingReader(scratch)
