@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from runner.atomicity.temp import temp_name
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
@@ -47,6 +47,7 @@ from runner.errors import (
     SchemaError,
     StorageConflictError,
 )
+from runner.mirror.download import download_checkpoint
 from runner.mirror.remote_layout import new_attempt_id, to_local, to_remote
 from runner.mirror.upload import discard_attempt, existing_copy, upload_file
 from runner.state.counters import Counters
@@ -55,6 +56,8 @@ from runner.storage.base import Storage
 from runner.storage.retry import store_deadline
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,29 +186,26 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
 
 
 def newest_in_bucket(storage: Storage) -> Manifest | None:
-    """The mirror's newest multi-rank checkpoint that is whole by the cheap check (manifest,
-    every file at its size; the bytes are hashed as each rank fetches them), or None. A step
-    that fails the check is skipped with a warning (never touched: a later upload heals it)."""
+    """The mirror's newest checkpoint that is whole by the cheap check (manifest, every file
+    at its size; the bytes are hashed as each rank fetches them), or None. A step that fails
+    the check is skipped with a warning (never touched: a later upload heals it)."""
     for step in reversed(list_checkpoints(storage)):
         try:
-            manifest = check_remote_sizes(storage, step)
-        except SchemaError as exc:
+            return check_remote_sizes(storage, step)
+        except (SchemaError, IntegrityError) as exc:
             log.warning("not resuming from step %d in %s: %s", step, storage.uri, exc)
-            continue
-        except IntegrityError as exc:
-            log.warning("not resuming from step %d in %s: %s", step, storage.uri, exc)
-            continue
-        if manifest.format != FORMAT_DCP:
-            log.warning(
-                "not resuming from step %d in %s: it was written by one process (%s); a job "
-                "on several nodes resumes from one its ranks wrote (torch-dcp)",
-                step,
-                storage.uri,
-                manifest.format,
-            )
-            continue
-        return manifest
     return None
+
+
+def fetch_whole(bucket: NodeBucket, step: int, *, into: Path, read: Callable[[Path], T]) -> T:
+    """A checkpoint one process wrote (a whole state, not DCP parts): every rank fetches all
+    of it into a scratch run dir of its own, verified, and `read`s it; the scratch is gone
+    on return."""
+    scratch = into / temp_name(f"fetch-{step_dir_name(step)}")
+    try:
+        return read(download_checkpoint(bucket.storage, step, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_from_bucket(

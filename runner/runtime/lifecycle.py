@@ -212,7 +212,8 @@ def report_resume(
     if metrics is not None:
         if point is not None and attempt == 1:
             created = created_at_unix(point.manifest.created_at) or time.time()
-            metrics.checkpoint_found(location="local", step=point.step, created_at=created)
+            where = "remote" if point.checkpoint.bucket_only else "local"  # several nodes
+            metrics.checkpoint_found(location=where, step=point.step, created_at=created)
         if point is not None or attempt > 1:
             metrics.resumed(steps_lost=lost)
         if point is not None:
@@ -224,7 +225,9 @@ def report_resume(
         return lost
     logger.info(
         "resumed from %s (step %d, %d samples seen%s)",
-        point.step_dir,
+        "the mirror (each rank fetched its part)"
+        if point.checkpoint.bucket_only
+        else point.step_dir,
         step,
         counters.samples_seen if counters is not None else point.manifest.samples_seen,
         f"; {lost} logged steps after it are redone" if lost else "",

@@ -49,8 +49,13 @@ def report_stop(
     )
 
 
-def durable_where(*, startup_given_up: bool, mirror: bool, landed: bool | None) -> str:
-    """Where a stop's final checkpoint is: local, and the mirror when its upload landed."""
+def durable_where(
+    *, startup_given_up: bool, mirror: bool, landed: bool | None, bucket_only: bool = False
+) -> str:
+    """Where a stop's final checkpoint is: local, and the mirror when its upload landed; the
+    mirror alone for one the ranks of several nodes committed there."""
+    if bucket_only:
+        return "the mirror (committed there by the ranks of every node)"
     if startup_given_up:
         return "local (mirror not contacted: start-up was given up on)"
     if not mirror:

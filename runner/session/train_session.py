@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR, step_dir_name
-from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.manifest import FORMAT_DCP, Manifest
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import SINGLE, Group
@@ -457,7 +457,7 @@ class TrainSession:
         """Several nodes: rank 0 picks the mirror's newest whole checkpoint (given up on by
         a stop), every rank learns its manifest; `_resume_from` then fetches what each
         rank reads. The run dirs hold no checkpoint (runner.mirror.nodes)."""
-        from runner.mirror.nodes import newest_in_bucket
+        from runner.mirror.nodes import fetch_whole, newest_in_bucket
         from runner.mirror.remote_layout import to_local
 
         def find() -> Manifest | None:
@@ -479,7 +479,15 @@ class TrainSession:
             manifest=local,
             bucket_only=True,
         )
-        return ResumePoint(checkpoint=checkpoint, loaded={IN_BUCKET: remote}, from_mirror=True)
+        loaded: dict[str, Any] = {IN_BUCKET: remote}
+        if local.format != FORMAT_DCP:  # one process wrote it: every rank reads it whole
+            loaded = fetch_whole(
+                bucket,
+                remote.step,
+                into=self.ckpt_dir,
+                read=lambda step_dir: self.checkpointer.read(step_dir, local),
+            )
+        return ResumePoint(checkpoint=checkpoint, loaded=loaded, from_mirror=True)
 
     def _read_newest(self) -> ResumePoint[dict[str, Any]] | None:
         return read_newest(
@@ -678,6 +686,7 @@ class TrainSession:
                 startup_given_up=self.startup_given_up,
                 mirror=self.mirror is not None,
                 landed=self.final_upload_landed,
+                bucket_only=ckpt is not None and ckpt.bucket_only,
             )
             report_stop(
                 ckpt,
