@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from runner.atomicity.temp import temp_name
+from runner.checkpoint.aside import CORRUPT, decommit_remote
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, manifest_key, step_dir_name
 from runner.checkpoint.listing import list_checkpoints
@@ -46,6 +47,7 @@ from runner.errors import (
     RunnerError,
     SchemaError,
     StorageConflictError,
+    UnusableCheckpointsError,
 )
 from runner.mirror.download import download_checkpoint
 from runner.mirror.remote_layout import new_attempt_id, to_local, to_remote
@@ -83,12 +85,10 @@ def commit_to_bucket(
 ) -> CommittedCheckpoint:
     """COLLECTIVE: commit one checkpoint of every rank's part in the mirror (module
     docstring); returns it on every rank (`bucket_only`), or raises on every rank."""
-    attempt: str | list[Failed] = ""
+    attempt = ""
     if group.rank == 0:
         attempt = new_attempt_id(bucket.writer_id)
     attempt = group.broadcast(attempt)
-    if isinstance(attempt, list):  # never today; kept so a failed choice can be told
-        raise not_committed(attempt, rank=group.rank)
     base = f"{checkpoint_key(meta.step)}/{attempt}"
     with contextlib.ExitStack() as stack:
         try:
@@ -185,15 +185,29 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
 # -- resuming ---------------------------------------------------------------------------------
 
 
-def newest_in_bucket(storage: Storage) -> Manifest | None:
+def newest_in_bucket(storage: Storage, *, fresh_start: bool = False) -> Manifest | None:
     """The mirror's newest checkpoint that is whole by the cheap check (manifest, every file
-    at its size; the bytes are hashed as each rank fetches them), or None. A step that fails
-    the check is skipped with a warning (never touched: a later upload heals it)."""
+    at its size; the bytes are hashed as each rank fetches them), or None when it holds none.
+    A step that fails the check is skipped with a warning, never touched. When checkpoints
+    exist and none passes: UnusableCheckpointsError (exit 3), as for one node
+    (runner.mirror.resume), unless `fresh_start`: then they are de-committed (manifests
+    kept aside) and the run starts at step 0."""
+    refused: list[tuple[int, str]] = []
     for step in reversed(list_checkpoints(storage)):
         try:
             return check_remote_sizes(storage, step)
         except (SchemaError, IntegrityError) as exc:
             log.warning("not resuming from step %d in %s: %s", step, storage.uri, exc)
+            refused.append((step, str(exc)))
+    if refused and not fresh_start:
+        listed = "; ".join(f"step {step}: {why}" for step, why in refused)
+        raise UnusableCheckpointsError(
+            f"{storage.uri} holds checkpoints and none of them is whole ({listed}). Nothing "
+            "was trained or written. Restore the missing objects, or pass --fresh-start to "
+            "set them aside (never deleted) and start at step 0"
+        )
+    for step, _why in refused:
+        decommit_remote(storage, step, reason=CORRUPT)
     return None
 
 

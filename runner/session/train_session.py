@@ -461,10 +461,9 @@ class TrainSession:
         from runner.mirror.remote_layout import to_local
 
         def find() -> Manifest | None:
-            if self.config.fresh_start:
-                return None
+            fresh = self.config.fresh_start
             return run_interruptible(
-                lambda: newest_in_bucket(bucket.storage),
+                lambda: newest_in_bucket(bucket.storage, fresh_start=fresh),
                 stop=self.stop,
                 what=f"looking for the newest checkpoint in {bucket.storage.uri}",
             )
