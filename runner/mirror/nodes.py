@@ -138,8 +138,9 @@ def _upload_part(
 ) -> list[FileEntry] | Failed:
     """This rank's files into the attempt dir, each checked there; what failed otherwise."""
     try:
-        with store_deadline(bucket.deadline()):
-            for entry in entries:
+        for entry in entries:
+            # asked per file: a stop during a periodic save's upload bounds what is left of it
+            with store_deadline(bucket.deadline()):
                 upload_file(
                     bucket.storage,
                     key=f"{base}/{entry.path}",
