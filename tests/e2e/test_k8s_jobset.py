@@ -2,8 +2,9 @@
 the JobSet v1alpha2 schema and admission rules accept (tests/fixtures/jobset_schema.py, from
 the API types), its job template is a batch/v1 Job the Kubernetes schema accepts, and its
 values do what the overlay promises: a preemption restarts the whole gang without using up
-maxRestarts, exit 2 or 3 fails it, torchrun meets on pod 0's DNS name, every node has its
-own disk. No cluster: what the Job and JobSet controllers do with a pod failure is replayed
+maxRestarts, exit 2 or 3 fails it, torchrun's static rendezvous meets on pod 0's DNS name
+(as torchrun's own parser reads the args), every node has its own disk and the same bucket.
+No cluster: what the Job and JobSet controllers do with a pod failure is replayed
 from their source (the fixture's `pod_failure_message` and `jobset_action`)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import subprocess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jsonschema
 import kubernetes_validate
@@ -257,6 +259,18 @@ def test_grace_period_outlasts_the_runner_deadline(
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in env_names | set(config)
 
 
+def torchrun_config(args: list[str]) -> tuple[Any, list[str]]:
+    """torchrun's launch config and the script's args, as torchrun itself reads `args`."""
+    from torch.distributed.run import config_from_args, parse_args
+
+    # parse_args takes defaults from PET_* variables; config_from_args sets OMP_NUM_THREADS
+    with mock.patch.dict(os.environ):
+        for name in [n for n in os.environ if n.startswith("PET_")]:
+            del os.environ[name]
+        config, _cmd, cmd_args = config_from_args(parse_args(args[args.index("torchrun") + 1 :]))
+    return config, list(cmd_args)
+
+
 def check_rendezvous(jobset: dict[str, Any], nodes: int) -> None:
     assert js.replicated_job(jobset, NODE)["replicas"] == nodes
     assert jobset["spec"]["network"]["enableDNSHostnames"] is True
@@ -266,21 +280,29 @@ def check_rendezvous(jobset: dict[str, Any], nodes: int) -> None:
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 1, 1)
     container = runner_container(jobset)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["rendezvous"] == 29500
+    # <jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>
     pod_zero = js.pod_dns_name(jobset, NODE, 0, 0)
     assert pod_zero == "spot-runner-node-0-0.spot-runner-nodes"
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
     for index in range(nodes):
         annotations = js.pod_annotations(jobset, NODE, index)
-        flags = torchrun_flags(expand(container["args"], container, annotations))
-        assert flags == {
+        args = expand(container["args"], container, annotations)
+        # static rendezvous on pod 0: no --rdzv-* flag
+        assert torchrun_flags(args) == {
             "nnodes": str(nodes),
-            "nproc-per-node": str(container["resources"]["limits"]["nvidia.com/gpu"]),
+            "nproc-per-node": str(gpus),
             "node-rank": str(index),
-            "rdzv-backend": "c10d",
-            "rdzv-endpoint": f"{pod_zero}:{ports['rendezvous']}",
-            "rdzv-id": "spot-runner",
+            "master-addr": pod_zero,
+            "master-port": "29500",
             "max-restarts": "0",
         }
-    assert ports["rendezvous"] == 29500
+        config, script_args = torchrun_config(args)
+        assert (config.rdzv_backend, config.rdzv_endpoint) == ("static", f"{pod_zero}:29500")
+        assert (config.min_nodes, config.max_nodes) == (nodes, nodes)
+        assert config.rdzv_configs["rank"] == index
+        assert (config.nproc_per_node, config.max_restarts) == (gpus, 0)
+        assert script_args[-3:] == ["-m", "runner", "demo"]
 
 
 def test_torchrun_meets_on_pod_zero_of_the_gang(jobset: dict[str, Any]) -> None:
