@@ -165,6 +165,11 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
             try:
                 storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
             except StorageConflictError:
+                same = _same_state_there(storage, local)
+                if same is not None:  # ours (an answer lost to a retry) or this very state
+                    if same != attempt:
+                        discard_attempt(storage, base=checkpoint_key(local.step), attempt=attempt)
+                    return local
                 there = existing_copy(storage, local, verify=False)
                 if there is None:
                     continue
@@ -181,6 +186,20 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
             )
             return local
     raise StorageConflictError(f"{storage.uri}: step {local.step} could not be committed")
+
+
+def _same_state_there(storage: Storage, local: Manifest) -> str | None:
+    """The upload attempt of the step's checkpoint when it already holds this very state,
+    whole (same fingerprint, every file at its size): ours, or a duplicate, as the local
+    writer treats one (DCP's index differs between two saves of one state: it records a
+    save id, so the files alone cannot tell). None otherwise."""
+    try:
+        there = check_remote_sizes(storage, local.step)
+    except RunnerError:
+        return None
+    if not local.fingerprint or there.fingerprint != local.fingerprint:
+        return None
+    return str(there.extra.get(ATTEMPT_FIELD, ""))
 
 
 # -- resuming ---------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ each rank saw as JSON; the test asserts on both ranks' reports and on the bucket
 - step 4 again, the manifest's put landing but its answer lost (a fake: the retry sees the
   key taken): the step already holds this same checkpoint, so it counts as committed and
   nothing is removed or replaced;
+- step 4 saved again from the same state (another attempt): a duplicate by its fingerprint
+  (DCP's index differs between two saves of one state), committed, the first copy kept;
 - step 2 committed from another state: refused on every rank, the existing one untouched;
 - step 2 loaded on both ranks through a recording storage: each rank reads only the files it
   needs, and gets the saved state back exactly.
 
-A second save of the same state from another attempt never holds "the same checkpoint": DCP's
-.metadata records its staging path and a save id, so its sha256 differs every time.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def _worker(base: str) -> None:
         "step_4_after": _keys(plain, 4),
     }
     report["answer_lost"] = commit(state, _FakeLostAnswer(plain.root) if rank == 0 else plain)
+    report["same_again"] = commit(state)  # the same state at step 4, another attempt
 
     other = _state(rank, seed=1)
     _train(other, 2)
@@ -214,6 +215,14 @@ def test_commit_to_bucket_on_two_ranks_fake_faults_conflict_and_load(
     fourth = verify_checkpoint(bucket, 4)
     kept = fourth.extra["mirror_attempt"]
     assert (fourth.world_size, fourth.samples_seen) == (2, 32)
+    assert _keys(bucket, 4) == sorted(
+        [manifest_key(4), *(f"{checkpoint_key(4)}/{kept}/{n}" for n in names)]
+    )
+    # the same state saved at step 4 again (another attempt, so another DCP index): a
+    # duplicate, committed on both; the first attempt stays, the second's objects are gone
+    for r in reports:
+        assert r["same_again"] == {"step": 4, "bucket_only": True, "ckpt_dir": []}, r
+    assert verify_checkpoint(bucket, 4) == fourth
     assert _keys(bucket, 4) == sorted(
         [manifest_key(4), *(f"{checkpoint_key(4)}/{kept}/{n}" for n in names)]
     )
