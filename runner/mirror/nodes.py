@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from runner.atomicity.temp import temp_name
 from runner.checkpoint.aside import CORRUPT, decommit_remote
+from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, manifest_key, step_dir_name
 from runner.checkpoint.listing import list_checkpoints
@@ -43,15 +44,19 @@ from runner.checkpoint.verify import check_remote_sizes
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import Group
 from runner.errors import (
+    CheckpointWriteError,
     IntegrityError,
+    PayloadNotLoadableError,
     RunnerError,
     SchemaError,
     StorageConflictError,
+    StorageNotFoundError,
+    StorageTransientError,
     UnusableCheckpointsError,
 )
 from runner.mirror.download import download_checkpoint
 from runner.mirror.remote_layout import new_attempt_id, to_local, to_remote
-from runner.mirror.upload import discard_attempt, existing_copy, upload_file
+from runner.mirror.upload import discard_attempt, existing_copy, remote_manifest, upload_file
 from runner.state.counters import Counters
 from runner.state.ranked import RankedPayload
 from runner.storage.base import Storage
@@ -85,9 +90,7 @@ def commit_to_bucket(
 ) -> CommittedCheckpoint:
     """COLLECTIVE: commit one checkpoint of every rank's part in the mirror (module
     docstring); returns it on every rank (`bucket_only`), or raises on every rank."""
-    attempt = ""
-    if group.rank == 0:
-        attempt = new_attempt_id(bucket.writer_id)
+    attempt = new_attempt_id(bucket.writer_id) if group.rank == 0 else ""
     attempt = group.broadcast(attempt)
     base = f"{checkpoint_key(meta.step)}/{attempt}"
     with contextlib.ExitStack() as stack:
@@ -95,11 +98,16 @@ def commit_to_bucket(
             stage: Staging | Failed = stack.enter_context(writer.staging(meta.step))
         except (OSError, RunnerError) as exc:
             stage = Failed(group.rank, f"could not create its staging directory: {exc}")
-        # DCP's save is collective: every rank enters it, or none does
-        staged = [p for p in group.all_gather(stage) if isinstance(p, Failed)]
-        if staged:
-            parts: list[Any] = staged
-        else:
+        # DCP's save is collective: every rank enters it, or none does; and every rank must
+        # be saving the same step (a save one rank gave up on early must not pair with the
+        # others' next one)
+        staged = group.all_gather((meta.step, stage))
+        steps = {step for step, _ in staged}
+        failed = [p for _, p in staged if isinstance(p, Failed)]
+        if len(steps) > 1:
+            failed.append(Failed(group.rank, f"the ranks are saving different steps {steps}"))
+        parts: list[Any] = failed
+        if not failed:
             assert isinstance(stage, Staging)
             outcome = write_part(stage, part, group)
             if not isinstance(outcome, Failed):
@@ -119,10 +127,16 @@ def commit_to_bucket(
         local = writer.manifest_for(files, meta=meta, format=FORMAT_DCP)
         manifest = _put_manifest(bucket, local, attempt=attempt)
     except BaseException as exc:
-        with store_deadline(bucket.deadline()):
-            discard_attempt(bucket.storage, base=checkpoint_key(meta.step), attempt=attempt)
-        group.broadcast(failed or [Failed(0, f"the manifest was not written: {exc}")])
-        raise
+        landed = _names_attempt(bucket, meta.step, attempt)  # if not, its objects go
+        if landed and not failed:
+            manifest = local  # the manifest landed, only its answer was lost: committed
+        else:
+            told = failed or [Failed(0, f"the manifest was not written: {exc}")]
+            group.broadcast(told)
+            if not isinstance(exc, Exception) or isinstance(exc, CheckpointWriteError):
+                raise
+            # the same error on every rank: training goes on after it, or stops, on all
+            raise not_committed(told, rank=0) from exc
     committed = CommittedCheckpoint(
         step=meta.step,
         path=writer.ckpt_dir / step_dir_name(meta.step),
@@ -131,6 +145,22 @@ def commit_to_bucket(
     )
     group.broadcast(committed)
     return committed
+
+
+def _names_attempt(bucket: NodeBucket, step: int, attempt: str) -> bool:
+    """After a failure: whether the step's manifest names this attempt (the put landed).
+    When that cannot be told, the attempt's objects stay (never delete what a manifest may
+    name: an orphan sweep removes them a day later if none does); else they are removed."""
+    storage = bucket.storage
+    try:
+        with store_deadline(bucket.deadline()):
+            there = remote_manifest(storage, step)
+            if there is not None and there.extra.get(ATTEMPT_FIELD) == attempt:
+                return True
+            discard_attempt(storage, base=checkpoint_key(step), attempt=attempt)
+    except RunnerError as exc:
+        log.warning("step %d: could not tell whether %s holds it: %s", step, storage.uri, exc)
+    return False
 
 
 def _upload_part(
@@ -161,6 +191,7 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
     storage = bucket.storage
     remote = to_remote(local, attempt=attempt)
     with store_deadline(bucket.deadline()):
+        _check_all_there(storage, remote)
         for _ in range(2):  # a second try only after a corrupt copy was de-committed
             try:
                 storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
@@ -186,6 +217,23 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
             )
             return local
     raise StorageConflictError(f"{storage.uri}: step {local.step} could not be committed")
+
+
+def _check_all_there(storage: Storage, remote: Manifest) -> None:
+    """Every rank's file is in this storage at its size before the manifest names it: a
+    node given another --mirror would otherwise leave a manifest of missing files."""
+    base = checkpoint_key(remote.step)
+    for entry in remote.files:
+        try:
+            size = storage.head(f"{base}/{entry.path}").size
+        except StorageNotFoundError:
+            size = None
+        if size != entry.size:
+            raise IntegrityError(
+                f"{storage.uri}/{base}/{entry.path}: uploaded by its rank but "
+                f"{'missing' if size is None else f'{size} bytes, not {entry.size}'} here; "
+                "every node must be given the same --mirror"
+            )
 
 
 def _same_state_there(storage: Storage, local: Manifest) -> str | None:
@@ -252,46 +300,79 @@ def load_from_bucket(
     restore_rng: bool = True,
 ) -> Counters:
     """COLLECTIVE: load the mirror's checkpoint `remote` (its manifest as stored) into
-    `state` on every rank, each fetching only the files it reads (module docstring)."""
-    local = to_local(remote, source=f"{bucket.storage.uri}/{manifest_key(remote.step)}")
+    `state` on every rank, each fetching only the files it reads (module docstring), within
+    a stop's deadline. Raised on every rank alike: StorageTransientError when a fetch failed
+    for a reason worth retrying (exit 1), IntegrityError when a file does not verify, else
+    what the load raised (the caller may then try an older checkpoint)."""
+    where = f"{bucket.storage.uri}/{checkpoint_key(remote.step)}"
+    local = to_local(remote, source=f"{where}/manifest.json")
     scratch = writer.ckpt_dir / temp_name(f"fetch-{step_dir_name(remote.step)}")
     fetcher = _Fetcher(bucket.storage, remote, local, scratch)
+    listed = {entry.path for entry in local.files}
+    own = rank_file_name(group.rank)
+    first = [DCP_METADATA, TRAIN_STATE_FILE, own if own in listed else rank_file_name(0)]
     try:
-        listed = {entry.path for entry in local.files}
-        own = rank_file_name(group.rank)
-        first = [DCP_METADATA, TRAIN_STATE_FILE, own if own in listed else rank_file_name(0)]
-        problem: str | None = None
-        try:
-            fetcher.fetch(first)
-        except (OSError, RunnerError) as exc:
-            problem = f"rank {group.rank}: {exc}"
-        # DCP's load is collective: every rank enters it, or none does
-        problems = [p for p in group.all_gather(problem) if p is not None]
-        if problems:
-            raise IntegrityError(
-                f"step {remote.step} in {bucket.storage.uri} could not be fetched: "
-                + "; ".join(problems)
-            )
-        return load_ranked(
-            state,
-            scratch,
-            local,
-            group=group,
-            restore_rng=restore_rng,
-            dcp_reader=_fetching_reader(scratch, fetcher),
-        )
+        with store_deadline(bucket.deadline()):
+            try:
+                fetcher.fetch(first)
+                check_payload_counters(scratch, local)
+            except (OSError, RunnerError) as exc:
+                fetcher.error = exc
+            # DCP's load is collective: every rank enters it, or none does
+            _raise_if_any(group, fetcher, where=where, scratch=scratch)
+            counters: Counters | None = None
+            try:
+                counters = load_ranked(
+                    state,
+                    scratch,
+                    local,
+                    group=group,
+                    restore_rng=restore_rng,
+                    dcp_reader=_fetching_reader(scratch, fetcher),
+                )
+            except (OSError, RunnerError) as exc:
+                fetcher.error = fetcher.error or exc
+            # a failure on one rank alone (its rank file) is told to the others too
+            _raise_if_any(group, fetcher, where=where, scratch=scratch)
+        assert counters is not None
+        return counters
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        if group.rank == 0 or fetcher.fetched:
-            log.info(
-                "rank %d fetched %d of the %d files of step %d from %s (%.1f MB)",
-                group.rank,
-                len(fetcher.fetched),
-                len(local.files),
-                remote.step,
-                bucket.storage.uri,
-                fetcher.fetched_bytes / 1e6,
-            )
+        log.info(
+            "rank %d fetched %d of the %d files of step %d from %s (%.1f MB)",
+            group.rank,
+            len(fetcher.fetched),
+            len(local.files),
+            remote.step,
+            bucket.storage.uri,
+            fetcher.fetched_bytes / 1e6,
+        )
+
+
+def _raise_if_any(group: Group, fetcher: _Fetcher, *, where: str, scratch: Path) -> None:
+    """COLLECTIVE: raise on every rank when any rank failed, the same error type on each."""
+    error = fetcher.error
+    mine = None
+    if error is not None:
+        kind = (
+            "transient"
+            if isinstance(error, StorageTransientError)
+            else "integrity"
+            if isinstance(error, IntegrityError)
+            else "other"
+        )
+        mine = (group.rank, kind, str(error).replace(str(scratch), where))
+    failures = [f for f in group.all_gather(mine) if f is not None]
+    if not failures:
+        return
+    what = f"{where} could not be loaded: " + "; ".join(f"rank {r}: {m}" for r, _, m in failures)
+    kinds = {kind for _, kind, _ in failures}
+    if "transient" in kinds:
+        raise StorageTransientError(f"{what}. The store may recover: exiting 1 to retry")
+    if "integrity" in kinds:
+        raise IntegrityError(what)
+    # it verified and does not load into this state (another model, a newer format)
+    raise PayloadNotLoadableError(what) from error
 
 
 class _Fetcher:
@@ -307,6 +388,7 @@ class _Fetcher:
         }
         self.fetched: list[str] = []
         self.fetched_bytes = 0
+        self.error: BaseException | None = None  # this rank's first failure, if any
 
     def fetch(self, names: Iterable[str]) -> None:
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -331,7 +413,11 @@ def _fetching_reader(scratch: Path, fetcher: _Fetcher) -> Any:
     class FetchingReader(FileSystemReader):
         def read_data(self, plan: Any, planner: Any) -> Any:
             needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
-            fetcher.fetch(needed)
+            try:
+                fetcher.fetch(needed)
+            except (OSError, RunnerError) as exc:
+                fetcher.error = exc  # DCP reports it wrapped; its type decides the exit code
+                raise
             return super().read_data(plan, planner)
 
     return FetchingReader(scratch)
