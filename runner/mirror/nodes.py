@@ -26,13 +26,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from runner.atomicity.temp import temp_name
-from runner.checkpoint.aside import CORRUPT, decommit_remote
+from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote
 from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, manifest_key, step_dir_name
@@ -253,39 +253,64 @@ def _same_state_there(storage: Storage, local: Manifest) -> str | None:
 # -- resuming ---------------------------------------------------------------------------------
 
 
-def newest_in_bucket(storage: Storage, *, fresh_start: bool = False) -> Manifest | None:
+def newest_in_bucket(
+    storage: Storage,
+    *,
+    fresh_start: bool = False,
+    refused: Mapping[int, BaseException] | None = None,
+) -> Manifest | None:
     """The mirror's newest checkpoint that is whole by the cheap check (manifest, every file
     at its size; the bytes are hashed as each rank fetches them), or None when it holds none.
-    A step that fails the check is skipped with a warning, never touched. When checkpoints
-    exist and none passes: UnusableCheckpointsError (exit 3), as for one node
-    (runner.mirror.resume), unless `fresh_start`: then they are de-committed (manifests
-    kept aside) and the run starts at step 0."""
-    refused: list[tuple[int, str]] = []
+    A step that fails the check, or is in `refused` (it failed to load moments ago), is
+    skipped with a warning, never touched. When checkpoints exist and none can be used:
+    UnusableCheckpointsError (exit 3), as for one node (runner.mirror.resume), unless
+    `fresh_start`: then they are de-committed (manifests kept aside: a checkpoint this
+    runner cannot read, or that verifies and does not load, as another version's) and the
+    run starts at step 0."""
+    unusable = dict(refused or {})
     for step in reversed(list_checkpoints(storage)):
+        if step in unusable:
+            continue
         try:
-            return check_remote_sizes(storage, step)
+            manifest = check_remote_sizes(storage, step)
+            to_local(manifest, source=f"{storage.uri}/{manifest_key(step)}")
+            return manifest
         except (SchemaError, IntegrityError) as exc:
             log.warning("not resuming from step %d in %s: %s", step, storage.uri, exc)
-            refused.append((step, str(exc)))
-    if refused and not fresh_start:
-        listed = "; ".join(f"step {step}: {why}" for step, why in refused)
+            unusable[step] = exc
+    if unusable and not fresh_start:
+        listed = "; ".join(f"step {step}: {why}" for step, why in sorted(unusable.items()))
         raise UnusableCheckpointsError(
-            f"{storage.uri} holds checkpoints and none of them is whole ({listed}). Nothing "
+            f"{storage.uri} holds checkpoints and none of them can be used ({listed}). Nothing "
             "was trained or written. Restore the missing objects, or pass --fresh-start to "
             "set them aside (never deleted) and start at step 0"
         )
-    for step, _why in refused:
-        decommit_remote(storage, step, reason=CORRUPT)
+    for step, why in unusable.items():
+        foreign = isinstance(why, SchemaError)  # includes "verifies, does not load"
+        decommit_remote(storage, step, reason=FOREIGN if foreign else CORRUPT)
+    if unusable:
+        log.warning("--fresh-start: %d unusable checkpoint(s) set aside", len(unusable))
     return None
 
 
-def fetch_whole(bucket: NodeBucket, step: int, *, into: Path, read: Callable[[Path], T]) -> T:
-    """A checkpoint one process wrote (a whole state, not DCP parts): every rank fetches all
-    of it into a scratch run dir of its own, verified, and `read`s it; the scratch is gone
-    on return."""
+def fetch_whole(
+    bucket: NodeBucket, step: int, *, into: Path, read: Callable[[Path], T], group: Group
+) -> T:
+    """COLLECTIVE: a checkpoint one process wrote (a whole state, not DCP parts): every rank
+    fetches all of it into a scratch run dir of its own, verified, within a stop's deadline,
+    and `read`s it; the scratch is gone on return. A failure on any rank is raised on all
+    (`raise_on_all`)."""
     scratch = into / temp_name(f"fetch-{step_dir_name(step)}")
+    error: BaseException | None = None
     try:
-        return read(download_checkpoint(bucket.storage, step, scratch))
+        with store_deadline(bucket.deadline()):
+            try:
+                loaded = read(download_checkpoint(bucket.storage, step, scratch))
+            except (OSError, RunnerError) as exc:
+                error = exc
+        where = f"{bucket.storage.uri}/{checkpoint_key(step)}"
+        raise_on_all(group, error, where=where, scratch=scratch)
+        return loaded
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -350,8 +375,17 @@ def load_from_bucket(
 
 
 def _raise_if_any(group: Group, fetcher: _Fetcher, *, where: str, scratch: Path) -> None:
-    """COLLECTIVE: raise on every rank when any rank failed, the same error type on each."""
-    error = fetcher.error
+    raise_on_all(group, fetcher.error, where=where, scratch=scratch)
+
+
+def raise_on_all(
+    group: Group, error: BaseException | None, *, where: str, scratch: Path | None = None
+) -> None:
+    """COLLECTIVE: when any rank failed to fetch or load (`error`: this rank's, or None),
+    raise on every rank the same type: StorageTransientError when any failure is worth
+    retrying (exit 1), IntegrityError when a file did not verify, else
+    PayloadNotLoadableError (it verified and does not load into this state). Names the
+    bucket's key (`where`), not the scratch dir."""
     mine = None
     if error is not None:
         kind = (
@@ -361,7 +395,8 @@ def _raise_if_any(group: Group, fetcher: _Fetcher, *, where: str, scratch: Path)
             if isinstance(error, IntegrityError)
             else "other"
         )
-        mine = (group.rank, kind, str(error).replace(str(scratch), where))
+        text = str(error) if scratch is None else str(error).replace(str(scratch), where)
+        mine = (group.rank, kind, text)
     failures = [f for f in group.all_gather(mine) if f is not None]
     if not failures:
         return
@@ -371,7 +406,6 @@ def _raise_if_any(group: Group, fetcher: _Fetcher, *, where: str, scratch: Path)
         raise StorageTransientError(f"{what}. The store may recover: exiting 1 to retry")
     if "integrity" in kinds:
         raise IntegrityError(what)
-    # it verified and does not load into this state (another model, a newer format)
     raise PayloadNotLoadableError(what) from error
 
 

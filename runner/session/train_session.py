@@ -37,7 +37,9 @@ from runner.errors import (
     EXIT_FAILURE,
     CheckpointWriteError,
     ConfigError,
+    IntegrityError,
     RunnerError,
+    SchemaError,
 )
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.policy import SavePolicy
@@ -333,20 +335,12 @@ class TrainSession:
             return None
         self._set_target(point)
         if point is None:
-            # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
-            report_resume(
-                None,
-                run_dir=self.run_dir,
-                loss_log=self.loss_log,
-                metrics=self.metrics,
-                mark_from_scratch=False,
-                announce=self.rank.acts_as_primary,
-                logger=log,
-            )
-            self.policy = self._policy(start_step=0)
-            self._agree_startup()
+            self._from_scratch()
             return None
-        counters = self._resume_from(point)
+        if self.bucket is not None:
+            point, counters = self._resume_from_bucket(point, self.bucket)
+        else:
+            counters = self._resume_from(point)
         if self.mirror is not None and not point.checkpoint.bucket_only:
             try:
                 keep_mirrored(point, mirror=self.mirror, stop=self.stop, metrics=self.metrics)
@@ -364,6 +358,43 @@ class TrainSession:
                 mirror=self.mirror,
             )
         return counters.step
+
+    def _from_scratch(self) -> None:
+        # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
+        report_resume(
+            None,
+            run_dir=self.run_dir,
+            loss_log=self.loss_log,
+            metrics=self.metrics,
+            mark_from_scratch=False,
+            announce=self.rank.acts_as_primary,
+            logger=log,
+        )
+        self.policy = self._policy(start_step=0)
+        self._agree_startup()
+
+    def _resume_from_bucket(
+        self, point: ResumePoint[dict[str, Any]], bucket: NodeBucket
+    ) -> tuple[ResumePoint[dict[str, Any]], Counters]:
+        """Several nodes: load `point`, or when it does not verify or load (on every rank
+        alike: runner.mirror.nodes.raise_on_all) the next older one. A store that may
+        recover is not a refusal: raised (exit 1)."""
+        refused: dict[int, BaseException] = {}
+        current: ResumePoint[dict[str, Any]] | None = point
+        while current is not None:
+            try:
+                return current, self._resume_from(current)
+            except (IntegrityError, SchemaError) as exc:
+                if self.rank.acts_as_primary:
+                    log.warning("not resuming from step %d: %s", current.step, exc)
+                refused[current.step] = exc
+            current = self._newest_in_bucket(bucket, refused=refused)  # every rank
+            self._set_target(current)
+        # --fresh-start set every one aside, but this state was partly loaded from one
+        raise RunnerError(
+            "every checkpoint in the mirror was set aside (--fresh-start) after one failed "
+            "to load into this process: start the job again to begin at step 0"
+        )
 
     def _agree_startup(self) -> None:
         """Several ranks: start-up given up on one (rank 0's store work) is given up on all,
@@ -453,7 +484,9 @@ class TrainSession:
             return resolve_on_primary(self.group, self._read_newest, self.checkpointer.read)
         return self._read_newest()
 
-    def _newest_in_bucket(self, bucket: NodeBucket) -> ResumePoint[dict[str, Any]] | None:
+    def _newest_in_bucket(
+        self, bucket: NodeBucket, *, refused: dict[int, BaseException] | None = None
+    ) -> ResumePoint[dict[str, Any]] | None:
         """Several nodes: rank 0 picks the mirror's newest whole checkpoint (given up on by
         a stop), every rank learns its manifest; `_resume_from` then fetches what each
         rank reads. The run dirs hold no checkpoint (runner.mirror.nodes)."""
@@ -463,7 +496,7 @@ class TrainSession:
         def find() -> Manifest | None:
             fresh = self.config.fresh_start
             return run_interruptible(
-                lambda: newest_in_bucket(bucket.storage, fresh_start=fresh),
+                lambda: newest_in_bucket(bucket.storage, fresh_start=fresh, refused=refused),
                 stop=self.stop,
                 what=f"looking for the newest checkpoint in {bucket.storage.uri}",
             )
@@ -485,6 +518,7 @@ class TrainSession:
                 remote.step,
                 into=self.ckpt_dir,
                 read=lambda step_dir: self.checkpointer.read(step_dir, local),
+                group=self.group,
             )
         return ResumePoint(checkpoint=checkpoint, loaded=loaded, from_mirror=True)
 
