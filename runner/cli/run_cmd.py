@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from typing import Any
@@ -31,7 +32,10 @@ def run(command: tuple[str, ...], **params: Any) -> None:
     then rename) are checked, committed with a manifest, mirrored and handed back on resume.
     SIGTERM/SIGINT/SIGUSR1 are forwarded to its process group; under torchrun (`runner run
     -- torchrun ...`) SIGUSR1 goes to each worker instead (torchrun would die of it), and
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT defaults to the grace period. An exit other than 0, 2, 3
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT defaults to the grace period. One node of several
+    (`torchrun --nnodes N`, N > 1) needs --mirror: the ranks commit there themselves (they
+    get RUNNER_MIRROR), a stop goes to each worker and their exit code is passed on (75 when
+    every rank exited 75). An exit other than 0, 2, 3
     and 75, or a death by a signal we did not send, is restarted with exponential backoff up
     to --max-restarts. Every process the trainer leaves behind is terminated before the next
     attempt or the exit, whatever its process group or session.
@@ -66,9 +70,14 @@ def supervise(command: list[str], *, config: RunConfig) -> int:
     from runner.preemption.stop import StopController
     from runner.runtime.rank import SINGLE_PROCESS
     from runner.runtime.services import run_services
+    from runner.supervisor.multinode import multi_node_mode
     from runner.supervisor.reap import become_subreaper
     from runner.supervisor.supervise import Supervisor
 
+    # one node of several: refused without --mirror before anything starts, and the mirror
+    # is its ranks' (runner/supervisor/multinode.py), not a service of this process
+    nodes = multi_node_mode(command, config)
+    services_config = config if nodes is None else dataclasses.replace(config, mirror=None)
     controller = StopController()
     restore = install_signal_handlers(controller, grace_seconds=config.grace_seconds)
     # Orphans of the trainer's tree (a `setsid` helper, a double-forked daemon) re-parent to
@@ -78,7 +87,9 @@ def supervise(command: list[str], *, config: RunConfig) -> int:
         stack.callback(restore)
         stack.callback(controller.close)
         # the supervisor does the run's single-writer work, whatever rank its trainer is
-        services = stack.enter_context(run_services(config, controller, rank=SINGLE_PROCESS))
+        services = stack.enter_context(
+            run_services(services_config, controller, rank=SINGLE_PROCESS)
+        )
         code = Supervisor(
             command,
             config=config,

@@ -19,8 +19,9 @@ ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
 ENV_RESUME_FORMAT = "RUNNER_RESUME_FORMAT"
 ENV_RESUME_STEP = "RUNNER_RESUME_STEP"
 ENV_ATTEMPT = "RUNNER_ATTEMPT"
+ENV_MIRROR = "RUNNER_MIRROR"
 SUPERVISOR_ONLY_ENV = frozenset(
-    {"RUNNER_MIRROR", "RUNNER_METRICS_PORT", "RUNNER_NOTICES", "RUNNER_NOTICE_ENDPOINT"}
+    {ENV_MIRROR, "RUNNER_METRICS_PORT", "RUNNER_NOTICES", "RUNNER_NOTICE_ENDPOINT"}
 )
 
 
@@ -32,11 +33,15 @@ def child_env(
     resume: ResumePoint[None] | None,
     attempt: int,
     run_lock: RunDirLock | None,
+    mirror: str | None = None,
 ) -> dict[str, str]:
-    """The environment of attempt number `attempt`, resuming from `resume` (None: scratch)."""
+    """The environment of attempt number `attempt`, resuming from `resume` (None: scratch);
+    `mirror`: the RUNNER_MIRROR its ranks commit in themselves (one node of several)."""
     # The supervisor owns the mirror, the metrics port and the notice poller: a child
     # that is itself a runner (`runner run -- runner demo`) must not start its own.
     env = {k: v for k, v in os.environ.items() if k not in SUPERVISOR_ONLY_ENV}
+    if mirror is not None:  # on several nodes the ranks own the mirror (multinode.py)
+        env[ENV_MIRROR] = mirror
     # Training settings given on the command line reach a runner child as well.
     for name, value in (
         ("RUNNER_STEPS", config.steps),

@@ -13,8 +13,11 @@ any other exit or a death by a signal we did not send is restarted with exponent
 up to `max_restarts` (runner/supervisor/restarts.py), then ChildFailedError shows each
 attempt's last output. After a stop we forwarded, 75 only when a final checkpoint stands
 (runner/supervisor/ending.py). Whatever the ending, every process the attempt left behind is
-swept before anything else happens (runner/supervisor/reap.py). The module is a little over
-300 lines so that one attempt's steps (`_run_once` and the methods it calls) read in order.
+swept before anything else happens (runner/supervisor/reap.py). One node of several
+(`torchrun --nnodes N`, N > 1) resolves, adopts and mirrors nothing: its ranks commit in the
+mirror themselves and their exit code decides (runner/supervisor/multinode.py). The module is
+about 350 lines so that one attempt's steps (`_run_once` and the methods it calls) read in
+order.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from runner.supervisor.ending import (
 )
 from runner.supervisor.environment import child_env
 from runner.supervisor.hooks import MetricsHook, MirrorHook
+from runner.supervisor.multinode import multi_node_mode
 from runner.supervisor.restarts import (
     ChildCrashed,
     give_up_message,
@@ -97,7 +101,9 @@ class Supervisor:
         self.command = list(command)
         self.config = config
         self.controller = controller
-        self.mirror = mirror
+        # one node of several: the ranks own the mirror (runner/supervisor/multinode.py)
+        self.nodes = multi_node_mode(self.command, config)
+        self.mirror = mirror if self.nodes is None else None
         self.metrics = metrics
         self.restart_backoff = restart_backoff
         self.max_backoff = max_backoff
@@ -108,7 +114,7 @@ class Supervisor:
             self.ckpt_dir, run_id=self.run_dir.name, writer_id=config.writer_id
         )
         self.commits = CommitTracker(
-            self.run_dir, writer=self.writer, keep=config.keep, mirror=mirror, metrics=metrics
+            self.run_dir, writer=self.writer, keep=config.keep, mirror=self.mirror, metrics=metrics
         )
         self.tail_lines = tail_lines
         self.outputs: deque[AttemptOutput] = deque(maxlen=ATTEMPTS_SHOWN)
@@ -139,6 +145,8 @@ class Supervisor:
     def _run_locked(self) -> int:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.writer.cleanup_partial()
+        if self.nodes is not None:
+            log.info("%s", self.nodes.describe())
         # files left by a trainer whose supervisor died
         self._adopt(settled=True, follow=False)
         try:
@@ -171,7 +179,7 @@ class Supervisor:
             return EXIT_PREEMPTED
         self.attempts += 1
         try:
-            resume = self._resume_point()
+            resume = self._resume_point() if self.nodes is None else None  # else the ranks'
         except StartupInterrupted as exc:
             log.warning("%s; the trainer was not started, nothing was trained", exc)
             return EXIT_PREEMPTED
@@ -181,7 +189,8 @@ class Supervisor:
         if self.controller.stop_requested:  # arrived while looking for the checkpoint
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
-        launcher = launcher_for(self.command)  # torchrun: runner/supervisor/torchrun.py
+        # torchrun: runner/supervisor/torchrun.py; on several nodes stops go to its workers
+        launcher = launcher_for(self.command, stop_workers=self.nodes is not None)
         child, output = self._start(resume, launcher)
         try:
             watched = watch(
@@ -205,6 +214,10 @@ class Supervisor:
         output.ended = f"{describe_exit(code)} after {time.monotonic() - child.started_at:.1f} s"
         code = launcher.exit_code(code)  # torchrun's 1 for workers that all exited 75, ...
         self._adopt(settled=True)
+        if watched.stop_sent_at is not None and self.nodes is not None:
+            took = time.monotonic() - watched.stop_sent_at
+            grace = self.config.grace_seconds
+            return self.nodes.finish_stop(code, killed=watched.killed, took=took, grace=grace)
         if watched.stop_sent_at is not None:
             mute = launcher.mute_exit(code)
             return self._unless_lost(
@@ -252,6 +265,7 @@ class Supervisor:
             resume=resume,
             attempt=self.attempts,
             run_lock=self._run_lock,
+            mirror=self.nodes.mirror if self.nodes is not None else None,
         )
         launcher.environment(env, grace_seconds=self.config.grace_seconds)
         child = start_trainer(
@@ -261,11 +275,16 @@ class Supervisor:
             stdout=self._stdout,
             stderr=self._stderr,
             lock_fd=self._run_lock.fd if self._run_lock is not None else None,
-            resume_from=str(payload_path(resume.step_dir, resume.manifest))
-            if resume
-            else "scratch",
+            resume_from=self._resume_text(resume),
         )
         return child, output
+
+    def _resume_text(self, resume: ResumePoint[None] | None) -> str:
+        if resume is not None:
+            return str(payload_path(resume.step_dir, resume.manifest))
+        if self.nodes is not None:
+            return f"the newest checkpoint in {self.nodes.mirror}, as its ranks choose"
+        return "scratch"
 
     def _ended_on_its_own(self, code: int) -> int:
         """The trainer exited without a stop from us: 0 and 75 are passed on (0 once the
@@ -329,7 +348,10 @@ class Supervisor:
 
     def _adopt(self, *, settled: bool, follow: bool = True) -> None:
         """The trainer's seed files adopted and, with `follow`, the checkpoint dirs it
-        committed itself counted (not before the first attempt: resume verifies those)."""
+        committed itself counted (not before the first attempt: resume verifies those). Not on
+        one node of several: its ranks commit in the mirror, its run dir holds no checkpoint."""
+        if self.nodes is not None:
+            return
         stopping = self.controller.stop_requested
         self.commits.adopt(settled=settled, stopping=stopping)
         if follow:

@@ -21,6 +21,9 @@ what the installed torch (2.x: torch/distributed/elastic) does:
   stop it prints no summary and exits 1 whatever its workers did (`Torchrun.mute_exit`): the
   committed checkpoints and the loss log decide (ending.judge_stop), so ranks stopped while
   still resuming, with nothing trained, end the run with 75 as a lone `runner demo` would.
+- One node of several (`--nnodes` > 1, `torchrun_nnodes`; runner/supervisor/multinode.py):
+  a stop goes to each worker that handles it, as SIGUSR1 does, so that torchrun lists their
+  exit codes and `exit_code` tells 75; to torchrun only while no worker handles it yet.
 """
 
 from __future__ import annotations
@@ -53,13 +56,88 @@ def is_torchrun(command: Sequence[str]) -> bool:
     """`torchrun ...` or `python -m torch.distributed.run ...` (or the older `.launch`). Only
     the command itself is looked at: torchrun behind a shell script or `uv run` is a plain
     trainer, and a SIGUSR1 to its group would kill torchrun."""
+    return _torchrun_args(command) is not None
+
+
+def _torchrun_args(command: Sequence[str]) -> list[str] | None:
+    """What follows torchrun in `command` (its options, then the script's), or None."""
     if not command:
-        return False
+        return None
     if Path(command[0]).name == "torchrun":
-        return True
+        return list(command[1:])
     # `python -m torch.distributed.run`, interpreter options before -m allowed
     args = list(command[1:])
-    return any(args[i] == "-m" and args[i + 1] in _TORCHRUN_MODULES for i in range(len(args) - 1))
+    for i in range(len(args) - 1):
+        if args[i] == "-m" and args[i + 1] in _TORCHRUN_MODULES:
+            return args[i + 2 :]
+    return None
+
+
+# torchrun's options that take no value (torch 2.x, torch/distributed/run.py); every other
+# option of torchrun's takes one.
+_TORCHRUN_FLAGS = frozenset(
+    {"-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python"}
+    | {"--run-path", "--run_path", "--virtual-local-rank", "--virtual_local_rank"}
+)
+# torchrun's long options, for the unique prefixes its argparse accepts (`--nnode 2`)
+_TORCHRUN_LONG = (
+    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--rdzv-backend", "--rdzv_backend",
+    "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--rdzv-conf",
+    "--rdzv_conf", "--max-restarts", "--max_restarts", "--monitor-interval",
+    "--monitor_interval", "--start-method", "--start_method", "--event-log-handler",
+    "--event_log_handler", "--role", "--log-dir", "--log_dir", "--redirects", "--tee",
+    "--local-ranks-filter", "--local_ranks_filter", "--duplicate-stdout-filters",
+    "--duplicate_stdout_filters", "--duplicate-stderr-filters", "--duplicate_stderr_filters",
+    "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
+    "--master_port", "--local-addr", "--local_addr", "--logs-specs", "--logs_specs",
+    "--numa-binding", "--numa_binding", "--signals-to-handle", "--signals_to_handle",
+    "--shutdown-timeout", "--shutdown_timeout", *sorted(_TORCHRUN_FLAGS - {"-h", "-m"}),
+)  # fmt: skip
+
+
+def torchrun_nnodes(command: Sequence[str]) -> int | None:
+    """The number of nodes a torchrun `command` asks for: `--nnodes N`, `--nnodes=N`, the MAX
+    of `MIN:MAX`, 1 with `--standalone`; None when `command` is no torchrun, gives neither
+    or an `--nnodes` torchrun itself refuses (it then exits with its usage error). Read from
+    the command alone: torchrun's PET_NNODES in the environment is not looked at."""
+    args = _torchrun_args(command)
+    if args is None:
+        return None
+    nnodes: str | None = None
+    standalone = False
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--" or not token.startswith("-"):
+            break  # the training script: what follows is its own
+        name, eq, value = token.partition("=")
+        name = _long_option(name)
+        takes_value = name not in _TORCHRUN_FLAGS and not eq
+        if takes_value and not name.startswith("--") and len(name) > 2:
+            takes_value = False  # `-r3`: a short option with its value attached
+        if takes_value:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 1
+        if name == "--nnodes":
+            nnodes = value
+        standalone = standalone or name == "--standalone"
+        i += 1
+    if standalone:
+        return 1
+    if nnodes is None:
+        return None
+    try:
+        return max(int(n) for n in nnodes.split(":", 1))
+    except ValueError:
+        return None
+
+
+def _long_option(name: str) -> str:
+    """`name` as torchrun's argparse reads it: a unique prefix of a long option is it."""
+    if not name.startswith("--") or name in _TORCHRUN_LONG:
+        return name
+    matches = {option for option in _TORCHRUN_LONG if option.startswith(name)}
+    return matches.pop() if len(matches) == 1 else name
 
 
 class PlainTrainer:
@@ -75,6 +153,11 @@ class PlainTrainer:
         log.info("forwarding SIGUSR1: the trainer checkpoints and continues")
         child.signal_group(signal.SIGUSR1)
         return True
+
+    def stop(self, child: ChildProcess, sig: signal.Signals) -> str:
+        """Deliver the stop signal `sig`; to whom, for the log line."""
+        child.signal_group(sig)
+        return "the trainer"
 
     def kill(self, child: ChildProcess) -> None:
         child.signal_group(signal.SIGKILL)
@@ -98,7 +181,9 @@ class Torchrun(PlainTrainer):
 
     name = "torchrun"
 
-    def __init__(self) -> None:
+    def __init__(self, *, stop_workers: bool = False) -> None:
+        self.stop_workers = stop_workers
+        """A stop goes to the workers, not to torchrun (one node of several)."""
         self.workers: set[int] = set()
         """Every worker pid seen while torchrun ran."""
         self.failed: dict[int, int] = {}
@@ -126,6 +211,21 @@ class Torchrun(PlainTrainer):
             " ".join(map(str, ready)),
         )
         return True
+
+    def stop(self, child: ChildProcess, sig: signal.Signals) -> str:
+        """To torchrun; with `stop_workers`, to each worker that catches `sig` instead (torchrun
+        then lists their exit codes), to torchrun while none does yet (still starting)."""
+        if not self.stop_workers:
+            return super().stop(child, sig)
+        workers = children_of(child.pid)
+        self.workers.update(workers)
+        ready = [pid for pid in workers if catches(pid, sig)]
+        if not ready:
+            child.signal_group(sig)
+            return f"torchrun (no worker handles {sig.name} yet)"
+        for pid in ready:
+            _signal_worker(pid, sig)
+        return f"{len(ready)} torchrun worker(s) (pids {' '.join(map(str, ready))})"
 
     def kill(self, child: ChildProcess) -> None:
         for pid in children_of(child.pid):
@@ -156,9 +256,10 @@ class Torchrun(PlainTrainer):
         return code == EXIT_FAILURE and not self.failed
 
 
-def launcher_for(command: Sequence[str]) -> PlainTrainer:
-    """A fresh launcher for one attempt of `command`."""
-    return Torchrun() if is_torchrun(command) else PlainTrainer()
+def launcher_for(command: Sequence[str], *, stop_workers: bool = False) -> PlainTrainer:
+    """A fresh launcher for one attempt of `command`; `stop_workers`: torchrun's stops go to
+    its workers (one node of several, runner/supervisor/multinode.py)."""
+    return Torchrun(stop_workers=stop_workers) if is_torchrun(command) else PlainTrainer()
 
 
 def catches(pid: int, sig: signal.Signals) -> bool:

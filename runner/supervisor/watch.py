@@ -86,7 +86,7 @@ def watch(
     while child.poll() is None:
         if controller.stop_requested and stop_sent_at is None:
             before_stop()
-            stop_sent_at = forward_stop(child, controller, metrics)
+            stop_sent_at = forward_stop(child, controller, metrics, launcher)
         if controller.take_checkpoint_request() is not None:
             checkpoint_pending = True
         if checkpoint_pending and stop_sent_at is None:
@@ -114,19 +114,24 @@ def watch(
 
 
 def forward_stop(
-    child: ChildProcess, controller: StopController, metrics: MetricsHook | None
+    child: ChildProcess,
+    controller: StopController,
+    metrics: MetricsHook | None,
+    launcher: PlainTrainer | None = None,
 ) -> float:
-    """SIGINT for a SIGINT, else SIGTERM, to the trainer's group; returns when (monotonic)."""
+    """SIGINT for a SIGINT, else SIGTERM, to the trainer's group (or where `launcher` says:
+    runner/supervisor/torchrun.py); returns when (monotonic)."""
     reason = controller.reason or "stop"
     sig = signal.SIGINT if reason == "SIGINT" else signal.SIGTERM
-    child.signal_group(sig)
+    to = (launcher or PlainTrainer()).stop(child, sig)
     if reason in ("SIGTERM", "SIGINT") and metrics is not None:
         metrics.preemption_notice("sigterm")
     left = controller.time_left()
     log.warning(
-        "%s: forwarded %s to the trainer; %s",
+        "%s: forwarded %s to %s; %s",
         reason,
         sig.name,
+        to,
         f"{left:.1f} s of grace left" if left is not None else "no deadline",
     )
     return time.monotonic()
