@@ -133,6 +133,12 @@ class Mirror:
     def upload_now(self, ckpt: CommittedCheckpoint, *, deadline: float | None = None) -> bool:
         """Upload in the caller's time, within `deadline` (a time.monotonic() instant).
         Returns whether the checkpoint is durable in the mirror; the log says which."""
+        if ckpt.bucket_only:
+            # the ranks of several nodes committed it there: durable already, whatever the
+            # deadline (retention waits for the next run's first upload)
+            self._upload(ckpt)  # bookkeeping only: no store call
+            log.info("final checkpoint step %d is durable in %s", ckpt.step, self.storage.uri)
+            return True
         with self._cond:
             if self._pending is not None and self._pending.step <= ckpt.step:
                 log.info(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, overload
 
-from runner.checkpoint.manifest import Manifest, created_at_unix
+from runner.checkpoint.manifest import FORMAT_DCP, Manifest, created_at_unix
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
@@ -225,14 +225,20 @@ def report_resume(
         return lost
     logger.info(
         "resumed from %s (step %d, %d samples seen%s)",
-        "the mirror (each rank fetched its part)"
-        if point.checkpoint.bucket_only
-        else point.step_dir,
+        _resumed_where(point),
         step,
         counters.samples_seen if counters is not None else point.manifest.samples_seen,
         f"; {lost} logged steps after it are redone" if lost else "",
     )
     return lost
+
+
+def _resumed_where(point: ResumePoint[Any]) -> str:
+    if not point.checkpoint.bucket_only:
+        return str(point.step_dir)
+    if point.manifest.format == FORMAT_DCP:
+        return "the mirror (each rank fetched the files it reads)"
+    return "the mirror (each rank fetched it whole)"
 
 
 def backfill_loss_log(loss_log: LossLog, history: Sequence[float], *, source: str) -> None:

@@ -49,9 +49,11 @@ def rebase(
     primary: bool,
     save: Callable[[], CommittedCheckpoint],
     mirror: Mirror | None,
+    only_copy: bool = False,
 ) -> CommittedCheckpoint:
     """Steps 1-4 above; `save` commits the live state (collective: every rank calls rebase).
-    Only the primary (`primary`) touches the run dir and the mirror."""
+    Only the primary (`primary`) touches the run dir and the mirror. `only_copy`: the
+    mirror holds the only copy (several nodes): its de-commits must succeed."""
     log_it = log.warning if primary else log.debug
     log_it(
         "the step was rescaled down (%d -> %d): checkpoints numbered %d..%d are older than "
@@ -68,7 +70,7 @@ def rebase(
             if step in older:
                 set_aside_local(run_dir, ckpt_dir / step_dir_name(step), reason=SUPERSEDED)
         if mirror is not None:
-            _decommit_remote(mirror, older)
+            _decommit_remote(mirror, older, strict=only_copy)
     committed = save()
     if primary:
         if mirror is not None and not mirror.upload_now(committed):
@@ -82,19 +84,28 @@ def rebase(
                 "training on; the next attempt re-bases again, nothing was lost"
             )
         if mirror is not None:
-            _decommit_remote(mirror, range(resumed_step, resumed_step + 1))
+            _decommit_remote(mirror, range(resumed_step, resumed_step + 1), strict=only_copy)
         resumed = ckpt_dir / step_dir_name(resumed_step)
         if resumed.is_dir():
             set_aside_local(run_dir, resumed, reason=SUPERSEDED)
     return committed
 
 
-def _decommit_remote(mirror: Mirror, steps: range) -> None:
+def _decommit_remote(mirror: Mirror, steps: range, *, strict: bool = False) -> None:
     """De-commit the mirror's checkpoints numbered in `steps` (best effort: one left
-    committed is older than the state that follows and is re-based by a later attempt)."""
+    committed is older than the state that follows and is re-based by a later attempt).
+    `strict` (the mirror is the only copy: several nodes): a failure is RebaseIncomplete,
+    before training, since a stale step left newest there would be resumed and re-based
+    again over the newer work."""
     try:
         for step in list_checkpoints(mirror.storage):
             if step in steps:
                 decommit_remote(mirror.storage, step, reason=SUPERSEDED)
     except (StorageError, RunnerError) as exc:
+        if strict:
+            raise RebaseIncomplete(
+                f"the mirror's stale checkpoints {steps.start}..{steps.stop - 1} could not be "
+                f"de-committed ({exc}): not training on; the next attempt re-bases again, "
+                "nothing was lost"
+            ) from exc
         log.warning("mirror: stale checkpoints %s left committed: %s", steps, exc)

@@ -231,13 +231,25 @@ class TrainSession:
         from runner.mirror.nodes import NodeBucket
         from runner.storage import open_storage
 
-        if self.config.mirror is None:
+        # every rank asks, so that all of them refuse alike (none waits for the others)
+        mirrors = self.group.all_gather(self.config.mirror)
+        if None in mirrors:
             raise ConfigError(
                 f"this job runs on several nodes ({self.rank.world_size} ranks, "
-                f"{self.rank.local_world_size} on this one) and has no --mirror: with each "
-                "node on its own disk the mirror is the only place a checkpoint of every "
-                "rank can be committed. Give every node the same --mirror (s3://bucket/run)"
+                f"{self.rank.local_world_size} on this one) and rank(s) "
+                f"{', '.join(str(r) for r, m in enumerate(mirrors) if m is None)} have no "
+                "--mirror: with each node on its own disk the mirror is the only place a "
+                "checkpoint of every rank can be committed. Give every node the same "
+                "--mirror (s3://bucket/run)"
             )
+        if len(set(mirrors)) > 1:
+            raise ConfigError(
+                "the nodes of this job were given different --mirror locations ("
+                + ", ".join(f"rank {r}: {m}" for r, m in enumerate(mirrors))
+                + "): a checkpoint of every rank is committed in one of them; give every "
+                "node the same --mirror"
+            )
+        assert self.config.mirror is not None
         storage = open_storage(
             self.config.mirror, store_timeout_s=self.config.store_timeout, give_up_once=False
         )
@@ -327,6 +339,8 @@ class TrainSession:
         without saving or uploading anything; every checkpoint stays as it was."""
         if self.rank.acts_as_primary or (self.bucket is not None and self.rank.is_local_primary):
             self.writer.cleanup_partial()  # several nodes: each cleans its own disk
+        if self.bucket is not None and self.rank.is_local_primary:
+            self._warn_local_checkpoints()
         try:
             point = self._load_newest()
         except StartupInterrupted as exc:
@@ -356,8 +370,25 @@ class TrainSession:
                 primary=self.rank.acts_as_primary,
                 save=lambda: self.save(reason="rescaled"),
                 mirror=self.mirror,
+                only_copy=self.bucket is not None,
             )
         return counters.step
+
+    def _warn_local_checkpoints(self) -> None:
+        """Several nodes resume from the mirror alone: a checkpoint committed in this run
+        dir (by an earlier run on one node) is not used, and says so."""
+        from runner.checkpoint.writer import committed_steps
+
+        steps = committed_steps(self.ckpt_dir)
+        if steps:
+            log.warning(
+                "%s holds checkpoint(s) %s committed by a run on one node; a job on several "
+                "nodes resumes from the mirror only and leaves them alone. If one is newer "
+                "than the mirror's newest, `runner push %s MIRROR` first",
+                self.ckpt_dir,
+                ", ".join(map(str, steps)),
+                self.run_dir,
+            )
 
     def _from_scratch(self) -> None:
         # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
