@@ -36,11 +36,11 @@ from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote
 from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, manifest_key, step_dir_name
-from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.listing import list_checkpoints, read_manifest_bytes
 from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest
 from runner.checkpoint.ranked import Failed, LoadsRanked, load_ranked, not_committed, write_part
 from runner.checkpoint.staging import Staging
-from runner.checkpoint.verify import check_remote_sizes
+from runner.checkpoint.verify import check_remote_sizes, verify_checkpoint
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import Group
 from runner.errors import (
@@ -56,7 +56,7 @@ from runner.errors import (
 )
 from runner.mirror.download import download_checkpoint
 from runner.mirror.remote_layout import new_attempt_id, to_local, to_remote
-from runner.mirror.upload import discard_attempt, existing_copy, remote_manifest, upload_file
+from runner.mirror.upload import discard_attempt, remote_manifest, upload_file
 from runner.state.counters import Counters
 from runner.state.ranked import RankedPayload
 from runner.storage.base import Storage
@@ -185,9 +185,10 @@ def _upload_part(
 
 
 def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manifest:
-    """The manifest, create-only: the commit. The step already holding the same checkpoint
-    counts as committed; one holding a corrupt copy is healed (set aside, then this one);
-    another good checkpoint there is never replaced (StorageConflictError)."""
+    """The manifest, create-only: the commit. When the step is taken already (`_settle`):
+    by this attempt (an answer lost to a retry) or by this very state, whole and verified,
+    it counts as committed; a corrupt copy is healed (de-committed, kept aside, then this
+    one); another good checkpoint there is never replaced (StorageConflictError)."""
     storage = bucket.storage
     remote = to_remote(local, attempt=attempt)
     with store_deadline(bucket.deadline()):
@@ -196,17 +197,9 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
             try:
                 storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
             except StorageConflictError:
-                same = _same_state_there(storage, local)
-                if same is not None:  # ours (an answer lost to a retry) or this very state
-                    if same != attempt:
-                        discard_attempt(storage, base=checkpoint_key(local.step), attempt=attempt)
+                if _settle(storage, local, attempt=attempt):
                     return local
-                there = existing_copy(storage, local, verify=False)
-                if there is None:
-                    continue
-                if there.extra.get(ATTEMPT_FIELD) != attempt:
-                    discard_attempt(storage, base=checkpoint_key(local.step), attempt=attempt)
-                return local
+                continue
             log.info(
                 "checkpoint step %d committed in %s (%d files from %d ranks, %.1f MB)",
                 local.step,
@@ -219,13 +212,51 @@ def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manif
     raise StorageConflictError(f"{storage.uri}: step {local.step} could not be committed")
 
 
+def _settle(storage: Storage, local: Manifest, *, attempt: str) -> bool:
+    """After the manifest's put found the step taken: True when it holds this checkpoint
+    (this attempt's, or this very state from another: same fingerprint, every file hashed;
+    DCP's index differs between two saves of one state, so the files alone cannot tell),
+    this attempt's objects then removed unless the manifest names them; False when the
+    copy there was corrupt and is de-committed now (try again). StorageConflictError for
+    another state that verifies, or one this runner cannot read: never replaced."""
+    step = local.step
+    there = remote_manifest(storage, step)
+    if there is not None and there.extra.get(ATTEMPT_FIELD) == attempt:
+        return True
+    try:
+        raw = read_manifest_bytes(storage, manifest_key(step))
+        verified = verify_checkpoint(storage, step)
+    except StorageNotFoundError:
+        return False  # gone meanwhile: try again
+    except SchemaError as exc:
+        raise StorageConflictError(
+            f"{storage.uri} holds a checkpoint at step {step} that this runner cannot read "
+            f"({exc}); it is never replaced"
+        ) from exc
+    except IntegrityError as exc:
+        log.warning(
+            "checkpoint step %d in %s fails verification (%s): replacing it", step, storage.uri, exc
+        )
+        decommit_remote(storage, step, reason=CORRUPT, expected=raw)
+        return False
+    if local.fingerprint and verified.fingerprint == local.fingerprint:
+        log.info("checkpoint step %d is already in %s (this state, verified)", step, storage.uri)
+        discard_attempt(storage, base=checkpoint_key(step), attempt=attempt)
+        return True
+    raise StorageConflictError(
+        f"{storage.uri} already holds a different checkpoint at step {step} that verifies "
+        f"(written by {verified.writer}, fingerprint {verified.fingerprint[:12]}); not "
+        "replacing it"
+    )
+
+
 def _check_all_there(storage: Storage, remote: Manifest) -> None:
     """Every rank's file is in this storage at its size before the manifest names it: a
     node given another --mirror would otherwise leave a manifest of missing files."""
     base = checkpoint_key(remote.step)
     for entry in remote.files:
         try:
-            size = storage.head(f"{base}/{entry.path}").size
+            size: int | None = storage.head(f"{base}/{entry.path}").size
         except StorageNotFoundError:
             size = None
         if size != entry.size:
@@ -234,20 +265,6 @@ def _check_all_there(storage: Storage, remote: Manifest) -> None:
                 f"{'missing' if size is None else f'{size} bytes, not {entry.size}'} here; "
                 "every node must be given the same --mirror"
             )
-
-
-def _same_state_there(storage: Storage, local: Manifest) -> str | None:
-    """The upload attempt of the step's checkpoint when it already holds this very state,
-    whole (same fingerprint, every file at its size): ours, or a duplicate, as the local
-    writer treats one (DCP's index differs between two saves of one state: it records a
-    save id, so the files alone cannot tell). None otherwise."""
-    try:
-        there = check_remote_sizes(storage, local.step)
-    except RunnerError:
-        return None
-    if not local.fingerprint or there.fingerprint != local.fingerprint:
-        return None
-    return str(there.extra.get(ATTEMPT_FIELD, ""))
 
 
 # -- resuming ---------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def upload_checkpoint(
     them."""
     step_dir = Path(step_dir)
     local = read_manifest_dir(step_dir)
-    existing = existing_copy(storage, local, verify=verify_existing)
+    existing = _existing(storage, local, verify=verify_existing)
     if existing is not None:
         return existing
 
@@ -106,7 +106,7 @@ def _settle_conflict(
         log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
         return remote
     discard_attempt(storage, base=base, attempt=attempt)
-    return existing_copy(storage, local, verify=False)
+    return _existing(storage, local, verify=False)
 
 
 def _send_files(
@@ -151,7 +151,7 @@ def upload_file(
         raise StorageTransientError(f"{storage.uri}/{key}: stored {stored} bytes, sent {size}")
 
 
-def existing_copy(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | None:
+def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | None:
     """The mirror's copy of this checkpoint when it already holds it; None when the step is
     free (nothing there, or a corrupt checkpoint that was just de-committed). Raises
     StorageConflictError when the step holds another good checkpoint or one this runner does

@@ -8,6 +8,9 @@ each with its own run dir, sharing only the mirror, a real SeaweedFS bucket.
   (a plain `runner demo`, a fresh run dir): the step is rescaled x 2, the run ends at the
   samples_seen of an uninterrupted 2-rank run, and every sample of the epoch was consumed
   exactly once, in order, across both attempts (--sample-log).
+- test_different_mirrors_are_refused_and_a_damaged_newest_checkpoint_is_healed: nodes with
+  different --mirror locations exit 2; a damaged newest checkpoint in the bucket is refused on
+  every rank, the one before resumed to the exact fingerprint, the step committed again.
 - test_a_node_vanishing_fails_the_other_within_the_bound: node 1's whole tree SIGKILLed once
   a checkpoint is committed: node 0's worker exits 1 and its agent non-zero within
   --collective-timeout + 30 s; the bucket's newest checkpoint still verifies, world_size 2.
@@ -36,10 +39,12 @@ from tests.fixtures.demo_process import checkpoint_steps, manifest
 from tests.fixtures.multinode import Node, wait_all
 from tests.fixtures.multirank import (
     BATCH,
+    EVERY,
     STEPS,
     Plain,
     Straight,
     demo_args,
+    final_fingerprint,
     sample_lines,
     stops,
     wait_until,
@@ -187,3 +192,59 @@ def test_a_node_vanishing_fails_the_other_within_the_bound(
     final = newest_in(mirror)
     assert final.world_size == 2 and final.step in bucket_steps(s3_server.client(), s3_bucket)
     no_step_dirs(tmp_path)
+
+
+def test_different_mirrors_are_refused_and_a_damaged_newest_checkpoint_is_healed(
+    multinode: Callable[..., list[Node]],
+    s3_server: SeaweedS3,
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    """Nodes given different --mirror locations all exit 2 before training, naming both.
+    A finished 2-node run's newest checkpoint damaged in the bucket (one byte of rank 1's
+    data file, same size: only hashing sees it): two fresh nodes refuse it on every rank,
+    resume from the one before, end at the first run's exact fingerprint, and the step is
+    committed again in place of the damaged copy (which is kept aside)."""
+    mirror = f"s3://{s3_bucket}/run"
+
+    def node_args(base: Path, mirror_of: Callable[[int], str]) -> Callable[[int], list[str]]:
+        return lambda i: demo_args(base / f"node{i}", "--mirror", mirror_of(i))
+
+    split = multinode(node_args(tmp_path / "split", lambda i: f"{mirror}{i}"), env=s3_server.env())
+    assert wait_all(split, 90) == [1, 1]
+    assert [node.failed_exits() for node in split] == [{0: 2}, {1: 2}]
+    for node in split:
+        assert (
+            f"the nodes of this job were given different --mirror locations (rank 0: {mirror}0, "
+            f"rank 1: {mirror}1)"
+        ) in node.rank_stderr(), node.rank_stderr()
+    assert bucket_steps(s3_server.client(), s3_bucket) == []
+
+    first = multinode(node_args(tmp_path / "first", lambda _: mirror), env=s3_server.env())
+    assert wait_all(first, 120) == [0, 0], [node.output() for node in first]
+    done, fingerprint = final_fingerprint(first[0].rank_stderr())
+    assert done == STEPS
+    steps = bucket_steps(s3_server.client(), s3_bucket)
+    assert steps[-2:] == [STEPS - EVERY, STEPS], steps
+    newest = newest_in(mirror)
+    damaged = f"run/checkpoints/step_{STEPS:06d}/{newest.extra['mirror_attempt']}/__1_0.distcp"
+    client = s3_server.client()
+    data = bytearray(client.get_object(Bucket=s3_bucket, Key=damaged)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    client.put_object(Bucket=s3_bucket, Key=damaged, Body=bytes(data))
+
+    again = multinode(node_args(tmp_path / "again", lambda _: mirror), env=s3_server.env())
+    assert wait_all(again, 120) == [0, 0], [node.output() for node in again]
+    log0 = again[0].rank_stderr()
+    assert f"not resuming from step {STEPS}: " in log0, log0
+    assert "__1_0.distcp: sha256 differs from the manifest" in log0, log0
+    resumed = (
+        f"resumed from the mirror (each rank fetched the files it reads) (step {STEPS - EVERY},"
+    )
+    assert resumed in log0, log0
+    assert final_fingerprint(again[0].rank_stderr()) == (STEPS, fingerprint)
+    healed = newest_in(mirror)  # verified: every file hashed
+    assert healed.step == STEPS and healed.fingerprint == fingerprint
+    assert healed.extra["mirror_attempt"] != newest.extra["mirror_attempt"]
+    aside = client.list_objects_v2(Bucket=s3_bucket, Prefix="run/aside/").get("Contents", [])
+    assert any(f"step_{STEPS:06d}-" in item["Key"] for item in aside), aside
