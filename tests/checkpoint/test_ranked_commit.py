@@ -19,44 +19,15 @@ from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 from runner.collective.group import SINGLE
 from runner.errors import CheckpointWriteError, IntegrityError
-from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
+from tests.fixtures.dcp_ranks import meta_of, module_state, train_steps
 from tests.fixtures.torchrun import GlooWorld
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _state(seed: int = 0) -> ModuleTrainState:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sampler = ResumableSampler(64, batch_size=4, seed=seed)
-    return ModuleTrainState(model=model, optimizer=optimizer, sampler=sampler)
-
-
-def _train(state: ModuleTrainState, steps: int) -> None:
-    assert state.sampler is not None
-    for _ in range(steps):
-        batch = state.sampler.next_batch()
-        x = torch.arange(len(batch) * 6, dtype=torch.float32).reshape(len(batch), 6) / 10
-        loss = state.model(x + torch.randn_like(x)).square().mean()
-        state.optimizer.zero_grad()
-        loss.backward()
-        state.optimizer.step()
-        state.advance(loss=float(loss.detach()))
-
-
 def _commit(state: ModuleTrainState, ckpt_dir: Path) -> Path:
-    counters = state.counters
-    meta = CheckpointMeta(
-        step=counters.step,
-        samples_seen=counters.samples_seen,
-        world_size=counters.world_size,
-        epoch=counters.epoch,
-        batch_in_epoch=counters.batch_in_epoch,
-        fingerprint=state.fingerprint(),
-        extra={"reason": "test"},
-    )
+    meta = meta_of(state)
     writer = CheckpointWriter(ckpt_dir, run_id="r" * 16, writer_id="test")
     part = state.capture_ranked(rank=0, world_size=1)
     return write_ranked(writer, part, meta=meta, group=SINGLE).path
@@ -65,8 +36,8 @@ def _commit(state: ModuleTrainState, ckpt_dir: Path) -> Path:
 def test_a_world_of_one_commits_the_documented_layout_and_loads_back_exactly(
     tmp_path: Path,
 ) -> None:
-    saved = _state()
-    _train(saved, 5)
+    saved = module_state()
+    train_steps(saved, 5)
     step_dir = _commit(saved, tmp_path / "checkpoints")
     rng_after_save = torch.get_rng_state()
 
@@ -80,7 +51,7 @@ def test_a_world_of_one_commits_the_documented_layout_and_loads_back_exactly(
     assert (manifest.step, manifest.samples_seen) == (5, 20)
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
-    resumed = _state(seed=0)
+    resumed = module_state(seed=0)
     torch.manual_seed(123)  # the load must bring the saved RNG back
     counters = load_ranked(resumed, step_dir, manifest, group=SINGLE)
     assert counters == saved.counters
@@ -88,15 +59,15 @@ def test_a_world_of_one_commits_the_documented_layout_and_loads_back_exactly(
     assert torch.equal(torch.get_rng_state(), rng_after_save)
     assert resumed.loss_history == saved.loss_history
     # both continue identically: the optimizer state and the data position came back too
-    _train(saved, 3)
+    train_steps(saved, 3)
     torch.set_rng_state(rng_after_save)
-    _train(resumed, 3)
+    train_steps(resumed, 3)
     assert resumed.fingerprint() == saved.fingerprint()
 
 
 def test_a_manifest_whose_counters_disagree_with_train_state_is_refused(tmp_path: Path) -> None:
-    state = _state()
-    _train(state, 4)
+    state = module_state()
+    train_steps(state, 4)
     step_dir = _commit(state, tmp_path / "checkpoints")
     path = step_dir / "manifest.json"
     forged = json.loads(path.read_text())
@@ -120,8 +91,8 @@ def _worker_staging_fails(ckpt_dir: str) -> None:
     from runner.collective.group import dedicated_group
 
     group = dedicated_group(timeout_s=60)
-    state = _state()
-    _train(state, 2)
+    state = module_state()
+    train_steps(state, 2)
     writer_class = _FakeStagingFailsWriter if group.rank == 0 else CheckpointWriter
     writer = writer_class(Path(ckpt_dir), run_id="r" * 16, writer_id="test")
     meta = CheckpointMeta(

@@ -26,58 +26,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.manifest import FORMAT_DCP
 from runner.checkpoint.verify import verify_checkpoint
-from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
+from runner.checkpoint.writer import CheckpointWriter
 from runner.errors import StorageConflictError, StorageTransientError
 from runner.mirror.upload import remote_manifest
-from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
 from runner.storage.file import FileStorage
+from tests.fixtures.dcp_ranks import meta_of, module_state, train_steps
 from tests.fixtures.recording_storage import RecordingStorage
 from tests.fixtures.torchrun import GlooWorld
 
 HERE = "tests.mirror.test_nodes_commit"
 WORLD = 2
-BATCH = 4
-
-
-def _state(rank: int, seed: int = 0) -> ModuleTrainState:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sampler = ResumableSampler(64, batch_size=BATCH, seed=seed, world_size=WORLD, rank=rank)
-    return ModuleTrainState(model=model, optimizer=optimizer, sampler=sampler, world_size=WORLD)
-
-
-def _train(state: ModuleTrainState, steps: int) -> None:
-    """Replicas: the input depends on the batch's size only, so both ranks stay equal."""
-    assert state.sampler is not None
-    for _ in range(steps):
-        batch = state.sampler.next_batch()
-        x = torch.arange(len(batch) * 6, dtype=torch.float32).reshape(len(batch), 6) / 10
-        loss = state.model(x + torch.randn_like(x)).square().mean()
-        state.optimizer.zero_grad()
-        loss.backward()
-        state.optimizer.step()
-        state.advance(loss=float(loss.detach()))
-
-
-def _meta(state: ModuleTrainState) -> CheckpointMeta:
-    c = state.counters
-    return CheckpointMeta(
-        step=c.step,
-        samples_seen=c.samples_seen,
-        world_size=c.world_size,
-        epoch=c.epoch,
-        batch_in_epoch=c.batch_in_epoch,
-        fingerprint=state.fingerprint(),
-        extra={"reason": "test"},
-    )
 
 
 class _FakeUploadFails(FileStorage):
@@ -121,7 +84,7 @@ def _worker(base: str) -> None:
     report: dict[str, Any] = {"rank": rank}
 
     def commit(state: ModuleTrainState, storage: FileStorage = plain) -> dict[str, Any]:
-        part, meta = state.capture_ranked(rank=rank, world_size=WORLD), _meta(state)
+        part, meta = state.capture_ranked(rank=rank, world_size=WORLD), meta_of(state)
         bucket = NodeBucket(storage=storage, writer_id="test")
         try:
             done = commit_to_bucket(writer, part, meta=meta, group=group, bucket=bucket)
@@ -131,12 +94,12 @@ def _worker(base: str) -> None:
         # both ranks are past the outcome's broadcast: rank 0's clean-up has ended
         return {**outcome, "ckpt_dir": sorted(p.name for p in ckpt_dir.iterdir())}
 
-    state = _state(rank)
-    _train(state, 2)
+    state = module_state(rank=rank, world=WORLD)
+    train_steps(state, 2)
     saved_fingerprint = state.fingerprint()
     report["first"] = commit(state)
 
-    _train(state, 2)
+    train_steps(state, 2)
     faulty = _FakeUploadFails(plain.root)
     report["upload_fails"] = {
         **commit(state, faulty if rank == 1 else plain),
@@ -146,12 +109,12 @@ def _worker(base: str) -> None:
     report["answer_lost"] = commit(state, _FakeLostAnswer(plain.root) if rank == 0 else plain)
     report["same_again"] = commit(state)  # the same state at step 4, another attempt
 
-    other = _state(rank, seed=1)
-    _train(other, 2)
+    other = module_state(1, rank=rank, world=WORLD)
+    train_steps(other, 2)
     report["another"] = commit(other)
 
     recording = RecordingStorage(plain.root)
-    loaded = _state(rank)  # untrained: the load must bring step 2 back
+    loaded = module_state(rank=rank, world=WORLD)  # untrained: the load must bring step 2 back
     assert loaded.fingerprint() != saved_fingerprint
     remote = remote_manifest(plain, 2)
     assert remote is not None
