@@ -12,8 +12,9 @@ what the installed torch (2.x: torch/distributed/elastic) does:
   sets that timeout to the grace period (`Torchrun.environment`), so torchrun's SIGKILL never
   comes before the supervisor's own at the deadline (`Torchrun.kill`, workers first).
 - SIGUSR1 is not handled: it kills torchrun and orphans the workers. It goes to each worker's
-  group instead, once that worker has a handler for it (SigCgt in /proc/PID/status): a
-  worker still starting would die of it. The ranks agree on a SIGUSR1 seen by any of them.
+  group instead, once every worker has a handler for it (SigCgt in /proc/PID/status): a
+  worker still starting would die of it, and one sent it before the others would act alone.
+  The runner's ranks agree on a SIGUSR1 seen by any of them.
 - Workers that exit non-zero on their own (every rank exits 75 after a stop one of them saw)
   make torchrun print a ChildFailedError summary, one `exitcode : N (pid: P)` line per failed
   worker, and exit 1. When every failed worker the supervisor saw exited with the same 2, 3 or
@@ -200,8 +201,11 @@ class Torchrun(PlainTrainer):
         workers = children_of(child.pid)
         self.workers.update(workers)
         ready = [pid for pid in workers if catches(pid, signal.SIGUSR1)]
-        if not ready:
-            return False  # in rendezvous, or still starting: never to torchrun itself
+        if not ready or len(ready) < len(workers):
+            # in rendezvous, or some still starting: never to torchrun itself, and to all
+            # at once (one that got it early would checkpoint alone: a trainer of its own
+            # that does not agree with its peers is never asked again)
+            return False
         for pid in ready:
             _signal_worker(pid, signal.SIGUSR1)
         log.info(
