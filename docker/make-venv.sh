@@ -63,6 +63,11 @@ if [ ! -e "$venv/bin/pip" ]; then
     chmod 755 "$venv/bin/pip"
 fi
 
+# torchrun from the venv too: the base's `torchrun` script starts every worker with the
+# base's interpreter, which cannot import what is installed here (`python -m runner`).
+printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$venv/bin/python" >"$venv/bin/torchrun"
+chmod 755 "$venv/bin/torchrun"
+
 # The venv must resolve torch to the very files python3 on PATH uses.
 base_torch="$(python3 -c 'import torch; print(torch.__file__, torch.__version__)')"
 venv_torch="$("$venv/bin/python" -c 'import torch; print(torch.__file__, torch.__version__)')"
