@@ -248,7 +248,7 @@ def test_docker_stop_checkpoints_to_the_bucket_and_a_fresh_container_resumes(
     print(f"[docker] container e2e sequence: {time.monotonic() - started:.1f} s")
 
 
-def test_docker_stop_t0_loses_only_the_steps_since_the_last_periodic_checkpoint(
+def test_docker_kill_loses_only_the_steps_since_the_last_periodic_checkpoint(
     docker: Docker, runner_image: str, s3_server: SeaweedS3, tmp_path: Path
 ) -> None:
     bucket = s3_server.create_bucket()
@@ -264,8 +264,10 @@ def test_docker_stop_t0_loses_only_the_steps_since_the_last_periodic_checkpoint(
     pause_at_step(
         docker, container, run_dir, 2 * every + 2, also=lambda: bool(remote_steps(s3, bucket, "k"))
     )
-    # SIGKILL at once: no final checkpoint.
-    assert docker.stop(container, grace_s=0) == EXIT_SIGKILL
+    # SIGKILL at once: no final checkpoint. `docker kill`, not `docker stop -t 0`: that sends
+    # SIGTERM first, and an async save can commit the stop step before its SIGKILL lands.
+    docker("kill", container)
+    assert docker.wait(container, timeout=60) == EXIT_SIGKILL
 
     reached = max(line["step"] for line in loss_steps(run_dir))
     local = local_steps(run_dir)
