@@ -36,11 +36,11 @@ from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote
 from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, manifest_key, step_dir_name
-from runner.checkpoint.listing import list_checkpoints, read_manifest_bytes
+from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest
 from runner.checkpoint.ranked import Failed, LoadsRanked, load_ranked, not_committed, write_part
 from runner.checkpoint.staging import Staging
-from runner.checkpoint.verify import check_remote_sizes, verify_checkpoint
+from runner.checkpoint.verify import check_remote_sizes
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import Group
 from runner.errors import (
@@ -56,7 +56,7 @@ from runner.errors import (
 )
 from runner.mirror.download import download_checkpoint
 from runner.mirror.remote_layout import new_attempt_id, to_local, to_remote
-from runner.mirror.upload import discard_attempt, remote_manifest, upload_file
+from runner.mirror.upload import discard_attempt, existing_copy, remote_manifest, upload_file
 from runner.state.counters import Counters
 from runner.state.ranked import RankedPayload
 from runner.storage.base import Storage
@@ -219,35 +219,17 @@ def _settle(storage: Storage, local: Manifest, *, attempt: str) -> bool:
     this attempt's objects then removed unless the manifest names them; False when the
     copy there was corrupt and is de-committed now (try again). StorageConflictError for
     another state that verifies, or one this runner cannot read: never replaced."""
-    step = local.step
-    there = remote_manifest(storage, step)
+    there = remote_manifest(storage, local.step)
     if there is not None and there.extra.get(ATTEMPT_FIELD) == attempt:
         return True
-    try:
-        raw = read_manifest_bytes(storage, manifest_key(step))
-        verified = verify_checkpoint(storage, step)
-    except StorageNotFoundError:
-        return False  # gone meanwhile: try again
-    except SchemaError as exc:
-        raise StorageConflictError(
-            f"{storage.uri} holds a checkpoint at step {step} that this runner cannot read "
-            f"({exc}); it is never replaced"
-        ) from exc
-    except IntegrityError as exc:
-        log.warning(
-            "checkpoint step %d in %s fails verification (%s): replacing it", step, storage.uri, exc
-        )
-        decommit_remote(storage, step, reason=CORRUPT, expected=raw)
+    if existing_copy(storage, local, verify=True, same=_same_state) is None:
         return False
-    if local.fingerprint and verified.fingerprint == local.fingerprint:
-        log.info("checkpoint step %d is already in %s (this state, verified)", step, storage.uri)
-        discard_attempt(storage, base=checkpoint_key(step), attempt=attempt)
-        return True
-    raise StorageConflictError(
-        f"{storage.uri} already holds a different checkpoint at step {step} that verifies "
-        f"(written by {verified.writer}, fingerprint {verified.fingerprint[:12]}); not "
-        "replacing it"
-    )
+    discard_attempt(storage, base=checkpoint_key(local.step), attempt=attempt)
+    return True
+
+
+def _same_state(there: Manifest, local: Manifest) -> bool:
+    return bool(local.fingerprint) and there.fingerprint == local.fingerprint
 
 
 def _check_all_there(storage: Storage, remote: Manifest) -> None:

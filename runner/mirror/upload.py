@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from runner.checkpoint.aside import CORRUPT, decommit_remote
@@ -66,7 +67,7 @@ def upload_checkpoint(
     them."""
     step_dir = Path(step_dir)
     local = read_manifest_dir(step_dir)
-    existing = _existing(storage, local, verify=verify_existing)
+    existing = existing_copy(storage, local, verify=verify_existing)
     if existing is not None:
         return existing
 
@@ -106,7 +107,7 @@ def _settle_conflict(
         log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
         return remote
     discard_attempt(storage, base=base, attempt=attempt)
-    return _existing(storage, local, verify=False)
+    return existing_copy(storage, local, verify=False)
 
 
 def _send_files(
@@ -151,18 +152,24 @@ def upload_file(
         raise StorageTransientError(f"{storage.uri}/{key}: stored {stored} bytes, sent {size}")
 
 
-def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | None:
-    """The mirror's copy of this checkpoint when it already holds it; None when the step is
-    free (nothing there, or a corrupt checkpoint that was just de-committed). Raises
-    StorageConflictError when the step holds another good checkpoint or one this runner does
-    not read."""
+def existing_copy(
+    storage: Storage,
+    local: Manifest,
+    *,
+    verify: bool,
+    same: Callable[[Manifest, Manifest], bool] = same_checkpoint,
+) -> Manifest | None:
+    """The mirror's copy of this checkpoint when it already holds it (`same(there, local)`:
+    by default the same step, state and payload bytes); None when the step is free (nothing
+    there, or a corrupt checkpoint that was just de-committed). Raises StorageConflictError
+    when the step holds another good checkpoint or one this runner does not read."""
     step = local.step
     where = f"{storage.uri}/{manifest_key(step)}"
     raw: bytes | None = None
     try:
         raw = read_manifest_bytes(storage, manifest_key(step))  # too large: IntegrityError
         existing = Manifest.from_json(raw, source=where)
-        if same_checkpoint(existing, local) and not verify:
+        if same(existing, local) and not verify:
             log.info("checkpoint step %d is already in %s", step, storage.uri)
             return existing
         verified = verify_checkpoint(storage, step)
@@ -184,7 +191,7 @@ def _existing(storage: Storage, local: Manifest, *, verify: bool) -> Manifest | 
         )
         decommit_remote(storage, step, reason=CORRUPT, expected=raw)
         return None
-    if same_checkpoint(verified, local):
+    if same(verified, local):
         log.info("checkpoint step %d is already in %s (verified)", step, storage.uri)
         return verified
     raise StorageConflictError(
