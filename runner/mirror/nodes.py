@@ -343,7 +343,7 @@ def load_from_bucket(
             except (OSError, RunnerError) as exc:
                 fetcher.error = exc
             # DCP's load is collective: every rank enters it, or none does
-            _raise_if_any(group, fetcher, where=where, scratch=scratch)
+            raise_on_all(group, fetcher.error, where=where, scratch=scratch)
             counters: Counters | None = None
             try:
                 counters = load_ranked(
@@ -357,7 +357,7 @@ def load_from_bucket(
             except (OSError, RunnerError) as exc:
                 fetcher.error = fetcher.error or exc
             # a failure on one rank alone (its rank file) is told to the others too
-            _raise_if_any(group, fetcher, where=where, scratch=scratch)
+            raise_on_all(group, fetcher.error, where=where, scratch=scratch)
         assert counters is not None
         return counters
     finally:
@@ -371,10 +371,6 @@ def load_from_bucket(
             bucket.storage.uri,
             fetcher.fetched_bytes / 1e6,
         )
-
-
-def _raise_if_any(group: Group, fetcher: _Fetcher, *, where: str, scratch: Path) -> None:
-    raise_on_all(group, fetcher.error, where=where, scratch=scratch)
 
 
 def raise_on_all(

@@ -197,10 +197,15 @@ class Torchrun(PlainTrainer):
     def watch(self, child: ChildProcess) -> None:
         self.workers.update(children_of(child.pid))
 
-    def checkpoint(self, child: ChildProcess) -> bool:
+    def _catching(self, child: ChildProcess, sig: signal.Signals) -> tuple[list[int], list[int]]:
+        """This attempt's workers now (remembered for `exit_code`) and those with a handler
+        for `sig`."""
         workers = children_of(child.pid)
         self.workers.update(workers)
-        ready = [pid for pid in workers if catches(pid, signal.SIGUSR1)]
+        return workers, [pid for pid in workers if catches(pid, sig)]
+
+    def checkpoint(self, child: ChildProcess) -> bool:
+        workers, ready = self._catching(child, signal.SIGUSR1)
         if not ready or len(ready) < len(workers):
             # in rendezvous, or some still starting: never to torchrun itself, and to all
             # at once (one that got it early would checkpoint alone: a trainer of its own
@@ -221,9 +226,7 @@ class Torchrun(PlainTrainer):
         then lists their exit codes), to torchrun while none does yet (still starting)."""
         if not self.stop_workers:
             return super().stop(child, sig)
-        workers = children_of(child.pid)
-        self.workers.update(workers)
-        ready = [pid for pid in workers if catches(pid, sig)]
+        _, ready = self._catching(child, sig)
         if not ready:
             child.signal_group(sig)
             return f"torchrun (no worker handles {sig.name} yet)"
