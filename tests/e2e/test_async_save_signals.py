@@ -7,11 +7,13 @@ processes, real signals, one process and two ranks under torchrun.
   written, so the stop lands at step N+1: the save of N is finished, then the final
   checkpoint is committed at N+1, the stop step, and the demo exits 75. With sync saves the
   loop itself is inside the save of N and the stop lands at N: this test fails. Re-running
-  the command resumes at N+1 and ends at the pinned 200-step fingerprint, bit-exact.
+  the command resumes at N+1 and ends at the fingerprint of an uninterrupted 200-step run made
+  in the same session (`straight_demo`), bit-exact.
 - test_two_ranks_async_*: one rank of a 2-rank torchrun launch (async saves) gets SIGTERM
   once the checkpoint of step 8 is being written; both ranks stop at one agreed step S and
   exit 75 with the final checkpoint at S (both ranks' files); the same command resumes at S
-  and ends at the 2-rank run's pinned fingerprint (the sync saver's).
+  and ends at the fingerprint of an uninterrupted 2-rank run with sync saves made in the same
+  session (`straight_2rank`).
 """
 
 from __future__ import annotations
@@ -35,15 +37,19 @@ from tests.fixtures.demo_process import (
     run_demo,
     wait_for_step,
 )
-from tests.fixtures.multirank import demo_args, final_fingerprint, rank_exits, stops, wait_until
+from tests.fixtures.multirank import (
+    STEPS,
+    Straight,
+    demo_args,
+    final_fingerprint,
+    rank_exits,
+    stops,
+    wait_until,
+)
 from tests.fixtures.torchrun import Torchrun
 
 pytestmark = pytest.mark.e2e
 
-# `runner demo` defaults, 200 steps (any --ckpt-every, either save mode)
-DEMO_200 = "2bfb8b73945a2d41a81aafdc73a5394a69adc869ab895f3aa45d08823eb6eb08"
-# 2 ranks, --steps 20 --ckpt-every 8 --batch-size 4
-RANKS_20 = "5b4251e4165b6910cab1d5dbd59950daddcd86770bc0e8330865e41d1802fcf3"
 _STOPPED = re.compile(r"stopped by SIGTERM at step (\d+)")
 _COMMITTED = re.compile(r"checkpoint step (\d+) committed in [0-9.]+s \(([^)]*)\)")
 
@@ -75,7 +81,7 @@ def sigterm_during_a_save(proc: subprocess.Popen[bytes], ckpt_dir: Path) -> int:
 
 
 def test_sigterm_during_a_background_save_finishes_it_commits_the_stop_step_and_resumes_exactly(
-    tmp_path: Path,
+    tmp_path: Path, straight_demo: Callable[[int], str]
 ) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "demo.log"
     with open(log, "wb") as out:
@@ -108,16 +114,18 @@ def test_sigterm_during_a_background_save_finishes_it_commits_the_stop_step_and_
     again = run_demo(run_dir, steps=200, ckpt_every=100)
     assert again.returncode == 0, again.stderr
     assert f"resuming from local checkpoint step {stopped}" in again.stderr
-    assert f"step 200/200 fingerprint {DEMO_200}" in again.stdout + again.stderr
-    assert manifest(run_dir, 200)["fingerprint"] == DEMO_200
+    reference = straight_demo(200)
+    assert f"step 200/200 fingerprint {reference}" in again.stdout + again.stderr
+    assert manifest(run_dir, 200)["fingerprint"] == reference
 
 
-def test_two_ranks_async_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_to_the_pinned_fingerprint(  # noqa: E501
-    torchrun: Callable[..., Torchrun], tmp_path: Path
+def test_two_ranks_async_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_to_the_straight_fingerprint(  # noqa: E501
+    torchrun: Callable[..., Torchrun], tmp_path: Path, straight_2rank: Straight
 ) -> None:
     run_dir = tmp_path / "run"
     ckpt_dir = run_dir / "checkpoints"
-    args = demo_args(run_dir, "--save-mode", "async", steps=20, ckpt_every=8)
+    # the straight run's length and batch (its sync saves every 10 steps: same fingerprint)
+    args = demo_args(run_dir, "--save-mode", "async", steps=STEPS, ckpt_every=8)
     first = torchrun(2, args)
     first.worker_pids()
 
@@ -135,9 +143,9 @@ def test_two_ranks_async_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_
     assert (reason0, reason1) == ("stop requested on another rank", "SIGTERM")
     assert step0 == step1
     stopped = step0
-    assert 8 < stopped < 20
-    periodic = {8, 16} if stopped > 16 else {8}
-    assert checkpoint_steps(run_dir) == sorted(periodic | {stopped})
+    assert 8 < stopped < STEPS
+    periodic = set(range(8, stopped + 1, 8))
+    assert checkpoint_steps(run_dir) == sorted(periodic | {stopped})[-3:]  # --keep 3
     final = manifest(run_dir, stopped)
     assert (final["step"], final["world_size"], final["format"]) == (stopped, 2, "torch-dcp")
     assert verify_dir(ckpt_dir / f"step_{stopped:06d}").step == stopped
@@ -149,5 +157,5 @@ def test_two_ranks_async_sigterm_to_one_rank_stops_both_at_one_step_and_resumes_
     assert again.wait(180) == 0, again.output()
     assert rank_exits(again) == {0: 0, 1: 0}, again.output()
     assert f"resuming from local checkpoint step {stopped}" in again.rank_stderr(0)
-    assert final_fingerprint(again.rank_stderr(0)) == (20, RANKS_20)
-    assert manifest(run_dir, 20)["fingerprint"] == RANKS_20
+    assert final_fingerprint(again.rank_stderr(0)) == (STEPS, straight_2rank.fingerprint)
+    assert manifest(run_dir, STEPS)["fingerprint"] == straight_2rank.fingerprint
