@@ -83,6 +83,11 @@ def write_ranked(
             if failed:
                 group.broadcast(failed)
                 raise not_committed(failed, rank=0)
+            # the manifest names only files rank 0 sees at the size their rank wrote
+            unseen = [f for r, p in enumerate(parts) if (f := _not_there(stage.path, r, p))]
+            if unseen:
+                group.broadcast(unseen)
+                raise not_committed(unseen, rank=0)
             stage.files = [entry for p in parts for entry in p]
             try:
                 committed = writer.commit(stage, meta=meta, format=FORMAT_DCP)
@@ -117,6 +122,28 @@ def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEn
         log.error("rank %d could not write its part of the checkpoint: %s", part.rank, exc)
         return Failed(part.rank, str(exc))
     return entries
+
+
+def _not_there(stage: Path, rank: int, entries: list[FileEntry]) -> Failed | None:
+    """What of `rank`'s reported files rank 0 does not see in `stage` at their size (a rank
+    given another run dir wrote them there), or None."""
+    lost = []
+    for entry in entries:
+        try:
+            size: int | None = (stage / entry.path).stat().st_size
+        except FileNotFoundError:
+            size = None
+        if size != entry.size:
+            lost.append(
+                f"{entry.path} {'missing' if size is None else f'{size} bytes, not {entry.size}'}"
+            )
+    if not lost:
+        return None
+    return Failed(
+        rank,
+        f"its files are not in rank 0's staging directory {stage} as written: "
+        f"{', '.join(lost)}; the ranks of one node must share one --run-dir on one file system",
+    )
 
 
 def not_committed(failed: list[Failed], *, rank: int) -> CheckpointWriteError:

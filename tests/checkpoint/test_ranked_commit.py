@@ -6,6 +6,7 @@ without launching ranks (tests/e2e/test_multirank*.py launch them)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,3 +121,72 @@ def test_a_staging_failure_on_rank_0_fails_the_save_on_every_rank_without_a_hang
     )
     assert "No space left on device (injected)" in outcomes[1]["message"]
     assert not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def _fake_write_part_then_truncate(write_part: Callable[..., object]) -> Callable[..., object]:
+    """Fault injection (a fake): this rank's rank file loses its second half after it was
+    written and reported at its full size (a file rank 0 would see short)."""
+
+    def wrapped(stage, part, group):  # type: ignore[no-untyped-def]
+        entries = write_part(stage, part, group)
+        path = stage.path / rank_file_name(part.rank)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return entries
+
+    return wrapped
+
+
+def _worker_presence(how: str, base: str) -> None:
+    """Both ranks commit step 2; rank 1's part is not in rank 0's staging dir as reported:
+    `missing` (rank 1 writes into a run dir of its own, as one given another --run-dir
+    does) or `short` (same run dir, its rank file truncated after it reported it)."""
+    from runner.checkpoint import ranked
+    from runner.collective.group import dedicated_group
+
+    group = dedicated_group(timeout_s=60)
+    torch.set_num_threads(1)
+    state = module_state(rank=group.rank, world=2)
+    train_steps(state, 2)
+    run_dir = "node" if group.rank == 0 or how == "short" else "other"
+    ckpt_dir = Path(base) / run_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if how == "short" and group.rank == 1:
+        ranked.write_part = _fake_write_part_then_truncate(ranked.write_part)  # type: ignore[assignment]
+    writer = CheckpointWriter(ckpt_dir, run_id="r" * 16, writer_id="test")
+    part = state.capture_ranked(rank=group.rank, world_size=2)
+    try:
+        write_ranked(writer, part, meta=meta_of(state), group=group)
+        outcome = {"rank": group.rank, "error": None, "message": "committed"}
+    except CheckpointWriteError as exc:
+        outcome = {"rank": group.rank, "error": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(outcome))
+    group.barrier()  # the ranks still call collectives in step: nothing is left waiting
+
+
+@pytest.mark.parametrize("how", ["missing", "short"])
+def test_rank_0_never_commits_a_manifest_naming_a_file_it_cannot_see_at_its_size(
+    gloo_world: Callable[..., GlooWorld], tmp_path: Path, how: str
+) -> None:
+    world = gloo_world(f"{HERE}:_worker_presence", 2, how, str(tmp_path))
+    finished = world.wait(timeout=120)
+    assert [f.returncode for f in finished] == [0, 0], [f.stderr for f in finished]
+    outcomes = [json.loads(f.stdout) for f in finished]
+    assert [o["error"] for o in outcomes] == ["CheckpointWriteError"] * 2, outcomes
+    staged = re.escape(str(tmp_path / "node" / "checkpoints" / ".tmp-step_000002-"))
+    if how == "missing":
+        lost = rf"__1_0\.distcp missing, {re.escape(rank_file_name(1))} missing"
+    else:
+        lost = rf"{re.escape(rank_file_name(1))} (\d+) bytes, not (\d+)"
+    for rank, outcome in enumerate(outcomes):
+        expected = (
+            rf"the checkpoint was not committed: rank 1: its files are not in rank 0's "
+            rf"staging directory {staged}\S+ as written: {lost}; the ranks of one node must "
+            rf"share one --run-dir on one file system{' [(]this one[)]' if rank == 1 else ''}"
+            rf"\. Nothing partial is visible; the previous checkpoint is intact"
+        )
+        match = re.fullmatch(expected, outcome["message"])
+        assert match, (expected, outcome["message"])
+        if how == "short":
+            assert int(match[1]) * 2 in (int(match[2]), int(match[2]) - 1), match[0]
+    assert not list(tmp_path.rglob("manifest.json"))
+    assert not list(tmp_path.rglob("step_000002"))
