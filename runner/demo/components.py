@@ -13,7 +13,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from runner.state.counters import Counters
 from runner.state.ranked import is_sharded, load_full_state
 from runner.state.sampler import ResumableSampler
 from runner.state.train_state import ModuleTrainState
-from runner.state.worldsize import move_scheduler_to_step
+from runner.state.worldsize import announce_schedule_move, move_scheduler_to_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,6 +98,9 @@ class DemoComponents(ModuleTrainState):
     sample_log: TextIO | None = None
     """Where each step's sample indices go, one JSON line per step (`runner demo
     --sample-log`): the audit that every sample of an epoch is consumed once across a resume."""
+    # after a resume at another world size `rescale_schedule` moves the schedule again, to the
+    # run's length at this size, and logs that one line
+    announce_schedule: ClassVar[bool] = False
 
     @property
     def done(self) -> bool:
@@ -176,7 +179,10 @@ class DemoComponents(ModuleTrainState):
             warmup_steps=max(1, round(self.config.warmup_steps * ratio)),
         )
         self.scheduler.lr_lambdas = [warmup_cosine(scaled)]
-        move_scheduler_to_step(self.scheduler, step=self.counters.step)
+        lrs = move_scheduler_to_step(self.scheduler, step=self.counters.step)
+        announce_schedule_move(
+            self.counters.step, lrs, why=f" (stretched to {total_steps} steps at this world size)"
+        )
         self.config = scaled
 
 

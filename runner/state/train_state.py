@@ -24,7 +24,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,7 @@ from runner.state.ranked import RankedPayload, load_tensor_state, split_payload,
 from runner.state.sampler import ResumableSampler
 from runner.state.validate import TRAIN_STATE_SCHEMA, check_restorable
 from runner.state.worldsize import (
+    announce_schedule_move,
     move_scheduler_to_step,
     position_from_samples_seen,
     rescale_counters,
@@ -56,6 +57,9 @@ class ModuleTrainState:
     world_size: int = 1
     counters: Counters = field(default_factory=Counters)
     loss_history: list[float] = field(default_factory=list)
+    # a subclass that moves the schedule again after the restore (the demo stretches it to the
+    # run's length at the new world size) logs the one line itself, with the value it uses
+    announce_schedule: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.counters.world_size = self.world_size
@@ -104,6 +108,7 @@ class ModuleTrainState:
             world_size=self.world_size,
             restore_rng=restore_rng,
             load_modules=load_modules,
+            announce_schedule=self.announce_schedule,
         )
         history = [float(x) for x in state.get("loss_history", [])]
         # A resume at more ranks rescaled the step down: the history counts the old size's
@@ -221,6 +226,7 @@ def restore_train_state(
     world_size: int = 1,
     restore_rng: bool = True,
     load_modules: Callable[[dict[str, Any]], None] | None = None,
+    announce_schedule: bool = True,
 ) -> Counters:
     """Load `state` into the live objects and return the counters to continue from.
 
@@ -228,7 +234,8 @@ def restore_train_state(
     ConfigError when the state belongs to another model or data order. ``restore_rng=False``
     exists for the resume audit (`runner drill`), which measures what skipping it costs.
     `load_modules` replaces the model/optimizer/scheduler load (a multi-rank checkpoint's
-    tensors come from DCP: ModuleTrainState.load_ranked).
+    tensors come from DCP: ModuleTrainState.load_ranked). `announce_schedule=False`: the
+    caller moves the schedule again and logs the move itself.
     """
     saved_counters = check_restorable(
         state, model=model, sampler=sampler, world_size=world_size, restore_rng=restore_rng
@@ -245,7 +252,15 @@ def restore_train_state(
 
     counters, change = rescale_counters(saved_counters, new_world_size=world_size)
     if change is not None and scheduler is not None:
-        move_scheduler_to_step(scheduler, step=counters.step)
+        lrs = move_scheduler_to_step(scheduler, step=counters.step)
+        if announce_schedule:
+            announce_schedule_move(counters.step, lrs)
+        else:
+            log.debug(
+                "LR schedule moved to step %d: lr=%s (the caller moves it again)",
+                counters.step,
+                lrs,
+            )
     if sampler is not None:
         counters = dataclasses.replace(
             counters, epoch=sampler.epoch, batch_in_epoch=sampler.batch_in_epoch

@@ -99,15 +99,22 @@ def position_from_samples_seen(
     return samples_seen // per_epoch, samples_seen % per_epoch
 
 
-def move_scheduler_to_step(scheduler: Any, *, step: int) -> None:
-    """Re-evaluate an LR scheduler at `step` (exact for closed-form schedules such as LambdaLR).
+def move_scheduler_to_step(scheduler: Any, *, step: int) -> list[float]:
+    """Re-evaluate an LR scheduler at `step` (exact for closed-form schedules such as LambdaLR);
+    returns the learning rates it gives there.
 
     Chainable schedulers (StepLR, ...) compute from the previous LR; for them this is an
-    approximation, which is why the change is logged.
+    approximation, which is why the caller logs the move (`announce_schedule_move`), once per
+    resume, with the value the run goes on with.
     """
     scheduler.last_epoch = step - 1
     with warnings.catch_warnings():
         # step() outside the usual optimizer.step() order warns; here it is deliberate.
         warnings.simplefilter("ignore", UserWarning)
         scheduler.step()
-    log.warning("LR schedule moved to step %d: lr=%s", step, scheduler.get_last_lr())
+    return [float(lr) for lr in scheduler.get_last_lr()]
+
+
+def announce_schedule_move(step: int, lrs: list[float], *, why: str = "") -> None:
+    """The one line a resume at another world size logs about its LR schedule."""
+    log.warning("LR schedule moved to step %d%s: lr=%s", step, why, lrs)

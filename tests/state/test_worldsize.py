@@ -70,10 +70,19 @@ def test_resume_from_one_rank_on_two_rescales_step_schedule_and_data(
     assert restored[0] == Counters(step=6, epoch=1, batch_in_epoch=1, samples_seen=52, world_size=2)
     assert restored[1] == restored[0]
     assert "world size changed 1 -> 2: step rescaled 13 -> 6" in caplog.text
-    assert "LR schedule moved to step 6" in caplog.text
     assert ranks[0].scheduler.last_epoch == 6
     factor = ranks[0].scheduler.lr_lambdas[0](6)
     assert ranks[0].optimizer.param_groups[0]["lr"] == pytest.approx(ranks[0].config.lr * factor)
+    # the demo stretches the schedule to the run's length at this size: one line, its value
+    assert "LR schedule moved" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        ranks[0].rescale_schedule(ranks[0].config.total_steps // 2)
+    moved = [r.getMessage() for r in caplog.records if "LR schedule moved" in r.getMessage()]
+    lr = ranks[0].optimizer.param_groups[0]["lr"]
+    assert moved == [
+        f"LR schedule moved to step 6 (stretched to {ranks[0].config.total_steps} steps at this "
+        f"world size): lr=[{lr!r}]"
+    ]
 
     # Data continues at sample 12 of epoch 1 exactly, split between the two ranks.
     order = single.sampler.epoch_order(1).tolist()
@@ -122,3 +131,29 @@ def test_world_size_change_without_sampler_position_uses_the_saved_global_batch(
     assert counters[1] == counters[0]
     order = single.sampler.epoch_order(1).tolist()
     assert ranks[0].sampler.next_batch() + ranks[1].sampler.next_batch() == order[12:20]
+
+
+def test_a_plain_module_state_logs_its_schedule_move_once_with_the_value_used(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import torch
+
+    from runner.state.train_state import ModuleTrainState
+
+    def state(world_size: int) -> ModuleTrainState:
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return ModuleTrainState(model=model, optimizer=opt, scheduler=sched, world_size=world_size)
+
+    single = state(1)
+    for _ in range(8):
+        single.optimizer.step()
+        single.scheduler.step()
+        single.advance(loss=0.0, samples=4)
+    resumed = state(2)
+    with caplog.at_level(logging.WARNING):
+        resumed.restore(single.capture())
+    moved = [r.getMessage() for r in caplog.records if "LR schedule moved" in r.getMessage()]
+    assert moved == ["LR schedule moved to step 4: lr=[0.2]"]
+    assert resumed.optimizer.param_groups[0]["lr"] == 0.2
