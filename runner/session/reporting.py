@@ -49,6 +49,28 @@ def report_stop(
     )
 
 
+def report_left_by_exit(
+    ckpt: CommittedCheckpoint | None, *, reason: str | None, step: int, ckpt_dir: Path
+) -> None:
+    """A `with TrainSession` block left by SystemExit (no code, or 0) after a stop was
+    requested: the run did not finish, and no final checkpoint was written."""
+    stands = (
+        f"checkpoint step {ckpt.step} ({ckpt.path}) stands"
+        if ckpt is not None
+        else f"no checkpoint stands in {ckpt_dir}"
+    )
+    log.error(
+        "the training loop was left by SystemExit after a stop (%s) at step %d, not through "
+        "session.should_stop: no final checkpoint was written (the session cannot tell whether "
+        "the optimizer stepped after the last step_done()); %s. Exiting 1, not 0: the run did "
+        "not finish. If a framework raised it on SIGTERM (PyTorch Lightning's "
+        "SIGTERMException), leave SIGTERM to spot-runner",
+        reason,
+        step,
+        stands,
+    )
+
+
 def durable_where(
     *, startup_given_up: bool, mirror: bool, landed: bool | None, bucket_only: bool = False
 ) -> str:

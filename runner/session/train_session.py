@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -58,14 +59,17 @@ from runner.session.checkpointer import (
 )
 from runner.session.coordination import (
     PEER_STOP,
+    agree_on_settings,
     agree_on_step,
     decided_on_primary,
     resolve_on_primary,
+    shared_settings,
     target_samples,
 )
 from runner.session.rebase import rebase
 from runner.session.reporting import (
     durable_where,
+    report_left_by_exit,
     report_not_mirrored,
     report_startup_given_up,
     report_stop,
@@ -131,6 +135,7 @@ class TrainSession:
         refusals_reported: bool = False,
         rank: RankContext = SINGLE_PROCESS,
         group: Group | None = None,
+        job_settings: Mapping[str, object] | None = None,
     ) -> None:
         """Wires the session's parts in the order they must exist (lock, services, writer,
         checkpointer, policy, loss log), hence its length.
@@ -143,7 +148,10 @@ class TrainSession:
         logged each checkpoint it refused; they are then logged at debug level only.
         `group`: the ranks' channel; by default a dedicated gloo group when `rank` is
         coordinated over several ranks (torch.distributed initialised by the caller: every
-        rank constructs its session at the same point), else none (SINGLE)."""
+        rank constructs its session at the same point), else none (SINGLE).
+        `job_settings`: the caller's own settings that must be equal on every rank (option
+        name -> value, e.g. the demo's --batch-size), compared at start with the run's
+        (runner.session.coordination.agree_on_settings): any difference is exit 2."""
         self.config = config
         self.rank = rank
         self._refusals_reported = refusals_reported
@@ -152,6 +160,14 @@ class TrainSession:
         self._owned = contextlib.ExitStack()
         services = self._lock_and_serve(services)
         self.group = group if group is not None else ranks_group(rank, config)
+        # before any other collective (the save group's exists only in async mode) and any
+        # checkpoint: ranks given different settings all refuse to start
+        try:
+            settings = {**shared_settings(config), **(job_settings or {})}
+            agree_on_settings(self.group, settings, node=rank.node_rank)
+        except BaseException:
+            self._owned.close()  # no session to close: the run dir lock and services
+            raise
         self.background = config.save_mode == "async"
         # a background save's collectives run beside the loop's: a channel of their own
         save_group = self.group
@@ -231,25 +247,14 @@ class TrainSession:
         from runner.mirror.nodes import NodeBucket
         from runner.storage import open_storage
 
-        # every rank asks, so that all of them refuse alike (none waits for the others)
-        mirrors = self.group.all_gather(self.config.mirror)
-        if None in mirrors:
+        # the ranks agreed on --mirror at start: all of them refuse alike when it is none
+        if self.config.mirror is None:
             raise ConfigError(
                 f"this job runs on several nodes ({self.rank.world_size} ranks, "
-                f"{self.rank.local_world_size} on this one) and rank(s) "
-                f"{', '.join(str(r) for r, m in enumerate(mirrors) if m is None)} have no "
-                "--mirror: with each node on its own disk the mirror is the only place a "
-                "checkpoint of every rank can be committed. Give every node the same "
-                "--mirror (s3://bucket/run)"
+                f"{self.rank.local_world_size} on this one) and has no --mirror: with each "
+                "node on its own disk the mirror is the only place a checkpoint of every "
+                "rank can be committed. Give every node the same --mirror (s3://bucket/run)"
             )
-        if len(set(mirrors)) > 1:
-            raise ConfigError(
-                "the nodes of this job were given different --mirror locations ("
-                + ", ".join(f"rank {r}: {m}" for r, m in enumerate(mirrors))
-                + "): a checkpoint of every rank is committed in one of them; give every "
-                "node the same --mirror"
-            )
-        assert self.config.mirror is not None
         storage = open_storage(
             self.config.mirror, store_timeout_s=self.config.store_timeout, give_up_once=False
         )
@@ -281,7 +286,24 @@ class TrainSession:
             if exc_type is None and self.exit_code is None:
                 self.finish()
         finally:
-            self.close()
+            self.close()  # a background save in flight (started at a step boundary) ends here
+        if (
+            isinstance(exc, SystemExit)
+            and exc.code in (None, 0)
+            and self.exit_code is None
+            and (self.stop.stop_requested or self._agreed_stop)
+        ):
+            # A framework's own SIGTERM handler (PyTorch Lightning's SIGTERMException) left the
+            # block: exit 0 would tell the orchestrator the job is done. Nothing is saved: the
+            # session cannot know whether the optimizer stepped after the last step_done().
+            self.exit_code = EXIT_FAILURE
+            report_left_by_exit(
+                self.last_checkpoint or self.resumed_checkpoint,
+                reason=self.stop.reason,
+                step=self.step,
+                ckpt_dir=self.ckpt_dir,
+            )
+            raise SystemExit(EXIT_FAILURE) from exc
 
     def close(self) -> None:
         # the saver first (a background one finishes its save in flight), then the loss log,
