@@ -49,10 +49,15 @@ def readme_program(run_dir: Path, bucket: Path, *, steps: int) -> str:
     block = re.search(r"## Your own PyTorch loop\n\n```python\n(.*?)```", README.read_text(), re.S)
     assert block is not None, "README lost its in-process example"
     code = block.group(1)
+    # the early recorder comes first, before torch: the reader's objects go where torch is
+    early = code.index("install_early_handlers()\n")
+    torch_line = re.search(r"^import torch\b.*\n", code, re.M)
+    assert torch_line is not None and torch_line.start() > early, code
+    code = code[: torch_line.start()] + PREAMBLE + code[torch_line.end() :]
     code = code.replace('"runs/exp1"', repr(str(run_dir)))
     code = code.replace('"s3://my-bucket/exp1"', repr(f"file://{bucket}"))
     code = code.replace("steps=10_000", f"steps={steps}").replace("ckpt_every=500", "ckpt_every=25")
-    return PREAMBLE + code
+    return code
 
 
 def test_readme_example_runs_stops_and_resumes(tmp_path: Path) -> None:
@@ -86,3 +91,36 @@ def test_readme_example_runs_stops_and_resumes(tmp_path: Path) -> None:
     assert checkpoint_steps(tmp_path / "run")[-1] == stopped + 10
     # resumed, not restarted: every step was trained exactly once across the two processes
     assert logged_steps(tmp_path / "run") == list(range(1, stopped + 11))
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether `pid` has a handler for SIGTERM now (the SigCgt mask of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+def test_readme_example_stopped_while_torch_is_still_importing_exits_75(tmp_path: Path) -> None:
+    """A real SIGTERM after the example's first line ran but before `import torch` finished:
+    recorded, replayed, and the run ends 75 with nothing trained, instead of dying with 143."""
+    program = tmp_path / "train.py"
+    program.write_text(readme_program(tmp_path / "run", tmp_path / "bucket", steps=100))
+    proc = subprocess.Popen([sys.executable, str(program)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches_sigterm(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "no early recorder"
+            time.sleep(0.001)
+        # torch's shared library is not mapped yet: the signal lands during the import
+        torch_loaded = "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not torch_loaded, "the signal came too late to test the early recorder"
+    assert proc.returncode == 75, err
+    assert "stopped by SIGTERM at step 0 before anything was trained" in err, err
+    assert checkpoint_steps(tmp_path / "run") == []
