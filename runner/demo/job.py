@@ -60,15 +60,16 @@ def run_demo(
         display = ProgressDisplay(total_steps=total, live=False, every_seconds=float("inf"))
     try:
         with process_group(rank, config.device) as device, _sample_log(sample_log, rank) as out:
-            components = build_demo(
-                seed=config.seed,
-                device=device,
-                batch_size=batch_size,
-                total_steps=total,
-                world_size=ranks,
-                rank=rank.rank if ranks > 1 else 0,
-                parallel=parallel,
-            )
+            with _peer_collectives(rank, ranks, "while the ranks set up (DDP/FSDP)"):
+                components = build_demo(
+                    seed=config.seed,
+                    device=device,
+                    batch_size=batch_size,
+                    total_steps=total,
+                    world_size=ranks,
+                    rank=rank.rank if ranks > 1 else 0,
+                    parallel=parallel,
+                )
             components.sample_log = out
             with TrainSession(
                 config, state=components, stop=stop, refusals_reported=supervised, rank=rank
@@ -146,13 +147,30 @@ def _step(session: TrainSession, components: DemoComponents) -> float:
     one of the runner's collectives, not a traceback."""
     if session.group.single:
         return components.train_step()
-    try:
+    with _peer_collectives(session.rank, session.group.world_size, "in the training step"):
         return components.train_step()
+
+
+@contextlib.contextmanager
+def _peer_collectives(rank: RankContext, ranks: int, where: str) -> Iterator[None]:
+    """With several ranks, a failure of torch.distributed's own collectives `where` (DDP's
+    parameter broadcast and gradient all-reduce, FSDP's sharding, the loss average) means a
+    peer died or hung: the one-line PeerLostError (exit 1), not a gloo traceback."""
+    if ranks == 1:
+        yield
+        return
+    try:
+        yield
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, ...) are these
         raise PeerLostError(
-            f"rank {session.group.rank}: the training step's collective failed ({exc}): a peer "
+            f"rank {rank.rank}: a collective failed {where} ({_first_line(exc)}): a peer "
             "process died or hung; the last committed checkpoint stands"
         ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _checkpoint_age(session: TrainSession, step: int) -> float:
