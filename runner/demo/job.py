@@ -72,7 +72,13 @@ def run_demo(
                 )
             components.sample_log = out
             with TrainSession(
-                config, state=components, stop=stop, refusals_reported=supervised, rank=rank
+                config,
+                state=components,
+                stop=stop,
+                refusals_reported=supervised,
+                rank=rank,
+                # the demo's own settings that every rank must share
+                job_settings={"--batch-size": batch_size, "--parallel": parallel},
             ) as session:
                 _fit_schedule(session, components, display)
                 code = _train(session, components, display)

@@ -1,5 +1,10 @@
-"""How the ranks of one run agree (runner.collective.Group): on each step's decision, on the
-checkpoint they resume from, and on the run's length.
+"""How the ranks of one run agree (runner.collective.Group): first on their settings, then on
+each step's decision, on the checkpoint they resume from, and on the run's length.
+
+The settings that must be equal on every rank (`shared_settings`) are all-gathered once, at
+start, before any checkpoint is read or written: every rank sees the same lists and so
+reaches the same verdict, and all of them exit 2 together instead of training apart (a
+rank's files in another run dir, a rank waiting at a collective the others never reach).
 
 Each step ends with one small all-reduce (MAX) of three flags: a stop seen by this rank
 (SIGTERM/SIGINT to it, a notice its node polled), a checkpoint request (SIGUSR1 to it), and
@@ -16,7 +21,7 @@ checkpoint itself. A refusal on rank 0 is raised on every rank with the same exi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -24,7 +29,8 @@ from typing import Any, TypeVar, cast
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.collective.group import Group
-from runner.errors import EXIT_PREEMPTED, RunnerError, StartupInterrupted
+from runner.config import RunConfig
+from runner.errors import EXIT_PREEMPTED, ConfigError, RunnerError, StartupInterrupted
 from runner.preemption.policy import REASON_SECONDS, SavePolicy
 from runner.preemption.stop import StopController
 from runner.runtime.lifecycle import ResumePoint
@@ -35,6 +41,69 @@ T = TypeVar("T")
 
 PEER_STOP = "stop requested on another rank"
 PEER_CHECKPOINT = "checkpoint requested on another rank"
+
+RUN_DIR_OPTION = "--run-dir"
+
+
+def agree_on_settings(
+    group: Group,
+    config: RunConfig,
+    *,
+    node: int,
+    job_settings: Mapping[str, object] | None = None,
+) -> None:
+    """COLLECTIVE: every rank's run settings (`shared_settings`) and `job_settings` (the
+    caller's own, option -> value) gathered with its node; ConfigError (exit 2) on every
+    rank alike when any differs, one line per setting naming each rank's value."""
+    if group.single:
+        return
+    mine = {**shared_settings(config), **(job_settings or {})}
+    gathered: list[tuple[int, dict[str, object]]] = group.all_gather((node, mine))
+    names = list(dict.fromkeys(name for _, theirs in gathered for name in theirs))
+    lines = []
+    for name in names:
+        if name == RUN_DIR_OPTION:  # among the ranks of each node: each node has its own
+            for n in sorted({n for n, _ in gathered}):
+                ranks = [r for r, (theirs, _) in enumerate(gathered) if theirs == n]
+                line = _differs(name, gathered, ranks, f"the ranks of node {n}")
+                lines += [line] if line else []
+        elif line := _differs(name, gathered, range(len(gathered)), "ranks"):
+            lines.append(line)
+    if lines:
+        raise ConfigError(
+            "the ranks of this job were not given the same settings:\n"
+            + "".join(f"  {line}\n" for line in lines)
+            + "give every rank the same options (torchrun passes its command's to all of "
+            "them; a wrapper must not change them per rank, e.g. with $LOCAL_RANK): the ranks "
+            "of one node share one --run-dir, each node has its own. No checkpoint was read "
+            "or written"
+        )
+
+
+def shared_settings(config: RunConfig) -> dict[str, object]:
+    """The run's settings every rank must be given alike, by option name. The run dir is
+    among them (resolved: one directory by two names is the same), compared only among the
+    ranks of one node."""
+    return {
+        RUN_DIR_OPTION: str(config.run_dir.resolve()),
+        "--mirror": config.mirror,
+        "--steps": config.steps,
+        "--seed": config.seed,
+        "--ckpt-every": config.ckpt_every,
+        "--ckpt-every-seconds": config.ckpt_every_seconds,
+        "--keep": config.keep,
+        "--save-mode": config.save_mode,
+    }
+
+
+def _differs(
+    name: str, gathered: list[tuple[int, dict[str, object]]], ranks: Sequence[int], among: str
+) -> str | None:
+    values = {r: gathered[r][1].get(name, "(not given)") for r in ranks}
+    if len({repr(v) for v in values.values()}) < 2:
+        return None
+    shown = ", ".join(f"rank {r}: {'none' if v is None else v}" for r, v in values.items())
+    return f"{name} differs between {among}: {shown}"
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,6 @@ from runner.session.coordination import (
     agree_on_step,
     decided_on_primary,
     resolve_on_primary,
-    shared_settings,
     target_samples,
 )
 from runner.session.rebase import rebase
@@ -163,8 +162,7 @@ class TrainSession:
         # before any other collective (the save group's exists only in async mode) and any
         # checkpoint: ranks given different settings all refuse to start
         try:
-            settings = {**shared_settings(config), **(job_settings or {})}
-            agree_on_settings(self.group, settings, node=rank.node_rank)
+            agree_on_settings(self.group, config, node=rank.node_rank, job_settings=job_settings)
         except BaseException:
             self._owned.close()  # no session to close: the run dir lock and services
             raise

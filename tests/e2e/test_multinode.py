@@ -215,8 +215,7 @@ def test_different_mirrors_are_refused_and_a_damaged_newest_checkpoint_is_healed
     assert [node.failed_exits() for node in split] == [{0: 2}, {1: 2}]
     for node in split:
         assert (
-            f"the nodes of this job were given different --mirror locations (rank 0: {mirror}0, "
-            f"rank 1: {mirror}1)"
+            f"\n  --mirror differs between ranks: rank 0: {mirror}0, rank 1: {mirror}1\n"
         ) in node.rank_stderr(), node.rank_stderr()
     assert bucket_steps(s3_server.client(), s3_bucket) == []
 
