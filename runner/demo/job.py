@@ -20,7 +20,8 @@ from runner.errors import PeerLostError, RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
-from runner.session.train_session import TrainSession
+from runner.session.coordination import agree_on_settings
+from runner.session.train_session import TrainSession, ranks_group
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ def run_demo(
         display = ProgressDisplay(total_steps=total, live=False, every_seconds=float("inf"))
     try:
         with process_group(rank, config.device) as device, _sample_log(sample_log, rank) as out:
+            # DDP's and FSDP's set-up is collective and differs with --parallel: the ranks
+            # compare their settings before it, on the group the session then uses (which
+            # compares them again: one small all_gather)
+            demo_settings = {"--batch-size": batch_size, "--parallel": parallel}
+            group = ranks_group(rank, config)
+            agree_on_settings(group, config, node=rank.node_rank, job_settings=demo_settings)
             with _peer_collectives(rank, ranks, "while the ranks set up (DDP/FSDP)"):
                 components = build_demo(
                     seed=config.seed,
@@ -77,8 +84,8 @@ def run_demo(
                 stop=stop,
                 refusals_reported=supervised,
                 rank=rank,
-                # the demo's own settings that every rank must share
-                job_settings={"--batch-size": batch_size, "--parallel": parallel},
+                group=group,
+                job_settings=demo_settings,
             ) as session:
                 _fit_schedule(session, components, display)
                 code = _train(session, components, display)

@@ -3,6 +3,10 @@
 - test_ranks_of_one_node_given_their_own_run_dirs_all_exit_2: one node, 2 ranks, a wrapper
   that appends $LOCAL_RANK to --run-dir: every rank exits 2 before any checkpoint is read or
   written, naming both run dirs; neither dir holds a checkpoint.
+- test_ranks_given_different_demo_settings_all_exit_2_at_once: one node, rank 0 given
+  --parallel ddp --batch-size 4, rank 1 fsdp and 6: both exit 2 before DDP's and FSDP's
+  set-up (collectives that differ between the two: they would wait for each other until
+  --collective-timeout), naming both settings.
 - test_nodes_given_different_steps_all_exit_2_at_once: two nodes (two torchrun trees, each
   its own run dir, which nodes may) against a real SeaweedFS bucket, given different --steps:
   both exit 2 within seconds of starting, not after --collective-timeout, naming both values;
@@ -67,6 +71,32 @@ def test_ranks_of_one_node_given_their_own_run_dirs_all_exit_2(
         assert not list(run_dir.rglob("manifest.json")), run_dir
         assert not (run_dir / "checkpoints").exists(), sorted(run_dir.rglob("*"))
         assert not (run_dir / "loss.jsonl").exists()
+
+
+def test_ranks_given_different_demo_settings_all_exit_2_at_once(
+    torchrun: Callable[..., Torchrun], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    # the last --batch-size wins: each rank's own, after demo_args' common one
+    args = demo_args(run_dir, "--parallel", "@P@", "--batch-size", "@B@", steps=4, ckpt_every=2)
+    command = shlex.join([sys.executable, *args]).replace("@P@", '"$P"').replace("@B@", '"$B"')
+    script = f'if [ "$LOCAL_RANK" = 0 ]; then P=ddp B=4; else P=fsdp B=6; fi; exec {command}'
+    started = time.monotonic()
+    launch = torchrun(2, ["sh", "-c", script], torchrun_args=["--no-python"])
+    assert launch.wait(150) == 1, launch.output()
+    took = time.monotonic() - started
+    print(f"torchrun exited {took:.1f} s after it was started")
+    assert took < 150, took  # --collective-timeout is 300 s: nobody waited for it
+    assert failed_exits(launch.output()) == {0: 2, 1: 2}, launch.output()
+    for rank in (0, 1):
+        stderr = launch.rank_stderr(rank)
+        assert _ERROR in stderr and _ADVICE in stderr, stderr
+        assert differing(stderr) == [
+            "--batch-size differs between ranks: rank 0: 4, rank 1: 6",
+            "--parallel differs between ranks: rank 0: ddp, rank 1: fsdp",
+        ], stderr
+        assert "fully_shard" not in stderr, stderr  # refused before the model was sharded
+    assert not (run_dir / "checkpoints").exists()
 
 
 def bucket_keys(s3: SeaweedS3, bucket: str) -> list[str]:
