@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
 
 from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest
+from runner.checkpoint.room import Room, out_of_space
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import SINGLE, Group
 from runner.errors import ConfigError, RunnerError
@@ -297,7 +298,9 @@ class Checkpointer:
     (never fails a save) and `hand_off` (the mirror; the callback decides what it takes).
 
     `on_failure(exc, step)` sees an OSError or RunnerError raised before the commit (before
-    capture, capture, write) and returns what to raise instead (itself to re-raise it)."""
+    capture, capture, write) and returns what to raise instead (itself to re-raise it).
+    `make_room()` is asked when a commit ran out of space: it deletes an older checkpoint and
+    returns what it freed (None when it deleted nothing); the commit is then retried once."""
 
     def __init__(
         self,
@@ -313,6 +316,7 @@ class Checkpointer:
         snapshot_to: HostBuffers | None = None,
         save_group: Group | None = None,
         bucket: NodeBucket | None = None,
+        make_room: Callable[[], Room | None] | None = None,
     ) -> None:
         self.writer = writer
         self.group = group  # several ranks: every load (and sync save) is collective over it
@@ -329,6 +333,7 @@ class Checkpointer:
         self._hand_off = hand_off
         self._before_capture = before_capture
         self._on_failure = on_failure
+        self._make_room = make_room
         self.saver = saver(self.persist)
 
     # -- saving -------------------------------------------------------------------------------
@@ -369,35 +374,79 @@ class Checkpointer:
 
     def persist(self, snapshot: Snapshot) -> CommittedCheckpoint:
         """The saver's half: commit the snapshot, then bookkeeping, retention, mirror. Only
-        the commit's failure is the save's; the callbacks' errors propagate unclassified."""
+        the commit's failure is the save's; the callbacks' errors propagate unclassified.
+        A commit that found the disk full is retried once if `make_room` freed a checkpoint
+        (`_retry_with_room`)."""
+        meta: CheckpointMeta | None = None
         try:
             meta = snapshot.final_meta()
-            if isinstance(snapshot.payload, RankedPayload) and self.bucket is not None:
-                from runner.mirror.nodes import commit_to_bucket
-
-                committed = commit_to_bucket(
-                    self.writer,
-                    snapshot.payload,
-                    meta=meta,
-                    group=self.save_group,
-                    bucket=self.bucket,
-                )
-            elif isinstance(snapshot.payload, RankedPayload):
-                from runner.checkpoint.ranked import write_ranked
-
-                committed = write_ranked(
-                    self.writer, snapshot.payload, meta=meta, group=self.save_group
-                )
-            else:
-                committed = self.writer.write_state(snapshot.payload, meta=meta)
+            committed = self._commit(snapshot, meta)
         except (OSError, RunnerError) as exc:
-            self._failed_before_commit(exc, step=snapshot.step)
+            if meta is None:
+                self._failed_before_commit(exc, step=snapshot.step)
+            committed = self._retry_with_room(exc, snapshot, meta)
         if self._on_commit is not None:
             self._on_commit(committed, snapshot)
         if self._retention is not None:
             self._retention()
         if self._hand_off is not None:
             self._hand_off(committed, snapshot)
+        return committed
+
+    def _commit(self, snapshot: Snapshot, meta: CheckpointMeta) -> CommittedCheckpoint:
+        if isinstance(snapshot.payload, RankedPayload) and self.bucket is not None:
+            from runner.mirror.nodes import commit_to_bucket
+
+            return commit_to_bucket(
+                self.writer,
+                snapshot.payload,
+                meta=meta,
+                group=self.save_group,
+                bucket=self.bucket,
+            )
+        if isinstance(snapshot.payload, RankedPayload):
+            from runner.checkpoint.ranked import write_ranked
+
+            return write_ranked(self.writer, snapshot.payload, meta=meta, group=self.save_group)
+        return self.writer.write_state(snapshot.payload, meta=meta)
+
+    def _retry_with_room(
+        self, exc: Exception, snapshot: Snapshot, meta: CheckpointMeta
+    ) -> CommittedCheckpoint:
+        """A failed commit: when it ran out of space and `make_room` deleted a checkpoint,
+        commit again, once, and say so in one line; otherwise (or when the retry fails too)
+        the save's failure is raised. The first attempt goes through `on_failure` either way
+        (counted once). One process's save only: the ranks of a multi-rank commit would all
+        have to agree to retry."""
+        no_space = out_of_space(exc)
+        if (
+            no_space is None
+            or self._make_room is None
+            or isinstance(snapshot.payload, RankedPayload)
+        ):
+            self._failed_before_commit(exc, step=snapshot.step)
+        try:
+            self.writer.cleanup_partial()  # the failed attempt's staging dir, if it outlived it
+            room = self._make_room()
+        except (OSError, RunnerError) as err:
+            log.warning("could not make room for checkpoint step %d: %s", snapshot.step, err)
+            room = None
+        if room is None:
+            self._failed_before_commit(exc, step=snapshot.step)
+        if self._on_failure is not None:
+            self._on_failure(exc, snapshot.step)  # the first attempt, counted; not raised
+        said = (
+            f"no room for checkpoint step {snapshot.step} in {self.writer.ckpt_dir} "
+            f"({no_space.strerror or no_space}): deleted step {room.deleted} "
+            f"({room.freed_bytes / 1e6:.1f} MB freed), the oldest checkpoint older than step "
+            f"{room.newest_verified}, the newest verified; the retry"
+        )
+        try:
+            committed = self._commit(snapshot, meta)
+        except (OSError, RunnerError) as again:
+            log.warning("%s failed too: %s", said, getattr(again, "strerror", None) or again)
+            self._failed_before_commit(again, step=snapshot.step)
+        log.warning("%s committed it", said)
         return committed
 
     def _failed_before_commit(self, exc: Exception, *, step: int) -> NoReturn:

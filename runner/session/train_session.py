@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR, step_dir_name
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest
+from runner.checkpoint.room import Room, make_room
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import SINGLE, Group
@@ -200,6 +201,7 @@ class TrainSession:
             # the loss history is at least as durable as the checkpoint (never raises)
             before_capture=self.loss_log.sync,
             on_failure=self._save_failed,
+            make_room=self._make_room,
             group=self.group,
             bucket=self.bucket,
             **_saving(self.background, save_group),
@@ -736,6 +738,17 @@ class TrainSession:
             )
         except (OSError, RunnerError) as exc:  # retention must never fail a run
             log.warning("local retention skipped: %s", exc)
+
+    def _make_room(self) -> Room | None:
+        """A save found the disk full: delete the oldest usable checkpoint older than the
+        newest verified one, so that the retry fits (on the saver's thread, like retention).
+        One process only: the ranks of a multi-rank commit would all have to agree."""
+        from runner.storage.file import FileStorage
+
+        if not self.group.single or self.bucket is not None or not self.rank.acts_as_primary:
+            return None
+        protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
+        return make_room(FileStorage(self.run_dir), protect=protect, known_good=self._known_good)
 
     # -- the end ------------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ import errno
 import json
 import logging
 import os
+import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +23,13 @@ import torch
 from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.verify import verify_dir
 from tests.fixtures.async_saves import mounted_tmpfs as tmpfs
-from tests.fixtures.demo_process import checkpoint_steps, demo_cmd, run_demo, wait_for_step
+from tests.fixtures.demo_process import (
+    checkpoint_steps,
+    demo_cmd,
+    manifest,
+    run_demo,
+    wait_for_step,
+)
 from tests.fixtures.metrics_scrape import scrape, value
 from tests.fixtures.prometheus import free_port
 
@@ -172,3 +180,74 @@ def test_demo_on_a_full_disk_keeps_its_loss_history_and_checkpoints_once_space_r
         verify_dir(final)
         history = torch.load(final / "state.pt", weights_only=True)["loss_history"]
         assert [r["loss"] for r in records] == history
+
+
+ROOM_LINE = re.compile(
+    r"no room for checkpoint step (\d+) in \S+ \(No space left on device\): deleted step (\d+) "
+    r"\(([\d.]+) MB freed\), the oldest checkpoint older than step (\d+), the newest "
+    r"verified; the retry committed it$",
+    re.MULTILINE,
+)
+
+
+@pytest.mark.parametrize("save_mode", ["async", "sync"])
+def test_demo_on_a_disk_that_holds_keep_checkpoints_goes_on_checkpointing_to_its_last_step(
+    tmp_path: Path, save_mode: str
+) -> None:
+    # 4 MiB holds three 1.4 MB demo checkpoints and not a fourth: every save from step 20 on
+    # finds the disk full, deletes the oldest of the three and commits on its retry.
+    port = free_port()
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        run_dir = disk / "run"
+        proc = subprocess.Popen(
+            demo_cmd(run_dir, "--keep", "3", "--save-mode", save_mode, "--metrics-port",
+                     str(port), "--metrics-host", "127.0.0.1", steps=60, ckpt_every=5),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        err: list[str] = []
+        reader = threading.Thread(target=lambda: err.extend(proc.stderr or ()), daemon=True)
+        reader.start()
+        samples = []
+        try:
+            while proc.poll() is None:
+                sample = scrape(port)
+                if sample is not None:
+                    samples.append(sample)
+                time.sleep(0.005)
+            code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        reader.join(10)
+        stderr = "".join(err)
+        assert code == 0, stderr
+        assert checkpoint_steps(run_dir) == [50, 55, 60]
+        verified = subprocess.run(
+            [sys.executable, "-m", "runner", "verify", str(run_dir)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert [line.split()[1] for line in verified.stdout.splitlines()] == ["60", "55", "50"]
+        assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+        size_mb = manifest(run_dir, 60)["files"][0]["size"] / 1e6  # type: ignore[index]
+    assert "Traceback" not in stderr
+    assert "could not be written" not in stderr and "training continues" not in stderr
+    rooms = [tuple(map(float, m)) for m in ROOM_LINE.findall(stderr)]
+    # one line per save from step 20 on: the oldest of three deleted, the newest verified kept
+    assert [(int(s), int(d), int(n)) for s, d, _f, n in rooms] == [
+        (step, step - 15, step - 5) for step in range(20, 65, 5)
+    ], stderr
+    assert all(abs(freed - size_mb) < 0.1 for _s, _d, freed, _n in rooms), rooms
+    # the count between the saves of steps 55 and 60: saves 20 to 55 each failed once
+    between = [
+        s for s in samples
+        if value(s, "runner_checkpoint_last_step", location="local") == 55
+        and (value(s, "runner_train_step") or 0) < 60
+    ]  # fmt: skip
+    assert between, f"no scrape between the saves of steps 55 and 60 ({len(samples)} in all)"
+    assert {value(s, "runner_checkpoint_failures_total", stage="save") for s in between} == {8.0}
+    assert max(value(s, "runner_checkpoint_failures_total", stage="save") or 0
+               for s in samples) <= 9.0  # fmt: skip
