@@ -15,13 +15,13 @@ from runner.checkpoint.manifest import created_at_unix
 from runner.config import RunConfig
 from runner.demo.components import DemoComponents, build_demo
 from runner.demo.display import ProgressDisplay
-from runner.demo.launch import process_group
+from runner.demo.launch import gather_from_ranks, process_group
 from runner.errors import PeerLostError, RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
-from runner.session.coordination import agree_on_settings
-from runner.session.train_session import TrainSession, ranks_group
+from runner.session.coordination import refuse_differing, settings_of
+from runner.session.train_session import TrainSession
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ def run_demo(
         display = ProgressDisplay(total_steps=total, live=False, every_seconds=float("inf"))
     try:
         with process_group(rank, config.device) as device, _sample_log(sample_log, rank) as out:
-            # DDP's and FSDP's set-up is collective and differs with --parallel: the ranks
-            # compare their settings before it, on the group the session then uses (which
-            # compares them again: one small all_gather)
             demo_settings = {"--batch-size": batch_size, "--parallel": parallel}
-            group = ranks_group(rank, config)
-            agree_on_settings(group, config, node=rank.node_rank, job_settings=demo_settings)
             with _peer_collectives(rank, ranks, "while the ranks set up (DDP/FSDP)"):
+                if ranks > 1:
+                    # DDP's and FSDP's set-ups are collectives that differ with --parallel:
+                    # the ranks compare their settings first (the session does again)
+                    mine = settings_of(config, node=rank.node_rank, job=demo_settings)
+                    refuse_differing(gather_from_ranks(mine))
                 components = build_demo(
                     seed=config.seed,
                     device=device,
@@ -84,7 +84,6 @@ def run_demo(
                 stop=stop,
                 refusals_reported=supervised,
                 rank=rank,
-                group=group,
                 job_settings=demo_settings,
             ) as session:
                 _fit_schedule(session, components, display)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from runner.demo.components import resolve_device
 from runner.preemption.exiting import end_without_teardown
@@ -50,3 +51,13 @@ def process_group(rank: RankContext, device: str) -> Iterator[str]:
         with contextlib.suppress(Exception):  # a peer that died leaves nothing to tear down
             dist.destroy_process_group()
         end_without_teardown()  # gloo's threads outlive it (runner.preemption.exiting)
+
+
+def gather_from_ranks(obj: Any) -> list[Any]:
+    """Every rank's `obj`, indexed by rank, over the default process group (the one DDP and
+    FSDP use: a peer that died fails it at once, as theirs)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -52,13 +52,24 @@ def agree_on_settings(
     node: int,
     job_settings: Mapping[str, object] | None = None,
 ) -> None:
-    """COLLECTIVE: every rank's run settings (`shared_settings`) and `job_settings` (the
-    caller's own, option -> value) gathered with its node; ConfigError (exit 2) on every
-    rank alike when any differs, one line per setting naming each rank's value."""
-    if group.single:
-        return
-    mine = {**shared_settings(config), **(job_settings or {})}
-    gathered: list[tuple[int, dict[str, object]]] = group.all_gather((node, mine))
+    """COLLECTIVE: every rank's `settings_of` gathered; ConfigError (exit 2) on every rank
+    alike when any setting differs (`refuse_differing`)."""
+    if not group.single:
+        refuse_differing(group.all_gather(settings_of(config, node=node, job=job_settings)))
+
+
+def settings_of(
+    config: RunConfig, *, node: int, job: Mapping[str, object] | None = None
+) -> tuple[int, dict[str, object]]:
+    """What a rank brings to the comparison: its node, the run's settings every rank must be
+    given alike (`shared_settings`) and the caller's own (`job`, option -> value)."""
+    return node, {**shared_settings(config), **(job or {})}
+
+
+def refuse_differing(gathered: Sequence[tuple[int, Mapping[str, object]]]) -> None:
+    """ConfigError naming, one line per setting, each rank's value of every setting that
+    differs between the ranks' `settings_of` (indexed by rank); the run dir only among the
+    ranks of one node. Every rank gets the same list, so all reach the same verdict."""
     names = list(dict.fromkeys(name for _, theirs in gathered for name in theirs))
     lines = []
     for name in names:
@@ -97,7 +108,10 @@ def shared_settings(config: RunConfig) -> dict[str, object]:
 
 
 def _differs(
-    name: str, gathered: list[tuple[int, dict[str, object]]], ranks: Sequence[int], among: str
+    name: str,
+    gathered: Sequence[tuple[int, Mapping[str, object]]],
+    ranks: Sequence[int],
+    among: str,
 ) -> str | None:
     values = {r: gathered[r][1].get(name, "(not given)") for r in ranks}
     if len({repr(v) for v in values.values()}) < 2:
