@@ -10,10 +10,11 @@ aside instead:
 - in a mirror, it is *de-committed*: a copy of its manifest goes to
   `PREFIX/aside/step_N-<when>-<why>/decommitted-manifest.json`, then the step's manifest is
   deleted (the manifest is the commit marker, so the checkpoint stops existing while its
-  payload objects stay where they are). A record set aside as `foreign` (a newer schema or a
-  format this runner does not read: possibly good for another version) protects the objects
-  it names from retention and the orphan sweep; a `corrupt` one does not, so its payload goes
-  with the step's next retention.
+  payload objects stay where they are). Every record that is not `corrupt` (`foreign`: a
+  newer schema or a format this runner does not read; `superseded-by-rescale`: an older state
+  a re-base renumbered; any other) protects the objects it names from retention and the orphan
+  sweep, even after a later lineage commits and prunes that step again (`protected_keys`); a
+  `corrupt` one does not, so its payload goes with the step's next retention or the sweep.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from runner.atomicity.files import fsync_dir
-from runner.checkpoint.layout import CHECKPOINTS_DIR, manifest_key, step_dir_name
+from runner.checkpoint.layout import CHECKPOINTS_DIR, manifest_key, parse_step_dir, step_dir_name
 from runner.errors import RunnerError, StorageConflictError, StorageNotFoundError
-from runner.storage.base import Storage
+from runner.storage.base import ObjectInfo, Storage
 
 log = logging.getLogger(__name__)
 
@@ -112,31 +114,111 @@ def decommit_remote(
         reason,
         storage.uri,
         key,
-        " and its files are protected" if reason == FOREIGN else "",
+        "" if reason == CORRUPT else " and its files are protected",
     )
     return key
 
 
-def protected_keys(storage: Storage) -> set[str]:
-    """Keys of payload objects named by `foreign` aside records: never deleted by retention or
-    the orphan sweep. A record that cannot be read protects nothing it could name, so the
-    step's own objects are reported through the warning instead of silently deleted."""
+class ProtectedKeys:
+    """The objects under `checkpoints/` that aside records protect: `key in protected`.
+
+    `keys`: what readable non-corrupt records name; `steps`: steps with a record that cannot be
+    read (every object under them is kept: the record might name any); `everything`: a record
+    whose step cannot be told either. `kept` collects what retention and the sweep spared
+    because of them (key -> size), for their reports."""
+
+    def __init__(
+        self,
+        keys: Iterable[str] = (),
+        *,
+        steps: Iterable[int] = (),
+        everything: bool = False,
+    ) -> None:
+        self.keys = frozenset(keys)
+        self.steps = frozenset(steps)
+        self.everything = everything
+        self.kept: dict[str, int] = {}
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        if self.everything or key in self.keys:
+            return True
+        parts = key.split("/")
+        return (
+            len(parts) >= 3
+            and parts[0] == CHECKPOINTS_DIR
+            and parse_step_dir(parts[1]) in self.steps
+        )
+
+    def under(self, step: int) -> bool:
+        """Whether anything under step N's directory may be protected."""
+        base = f"{CHECKPOINTS_DIR}/{step_dir_name(step)}/"
+        return self.everything or step in self.steps or any(k.startswith(base) for k in self.keys)
+
+    def spare(self, info: ObjectInfo) -> None:
+        self.kept[info.key] = info.size
+
+
+def protected_keys(storage: Storage) -> ProtectedKeys:
+    """What every aside record that is not `corrupt` protects from retention and the orphan
+    sweep (read once per prune). A record that cannot be read (not JSON, too large, no file
+    list this runner understands, a failed read) keeps every object of its step; one whose step
+    cannot be told either keeps everything: never delete what a record might name. A failure
+    to list aside/ raises, so nothing is deleted."""
     keys: set[str] = set()
+    steps: set[int] = set()
+    everything = False
     for info in storage.list(f"{ASIDE_DIR}/"):
         parts = info.key.split("/")
-        if len(parts) != 3 or parts[2] != ASIDE_MANIFEST or not parts[1].endswith(f"-{FOREIGN}"):
+        if len(parts) != 3 or parts[2] != ASIDE_MANIFEST:
+            continue  # a run dir's aside/ holds whole checkpoint dirs: nothing to protect there
+        name, _, rest = parts[1].partition("-")
+        if rest.partition("-")[2] == CORRUPT:
             continue
-        step_part = parts[1].split("-", 1)[0]
-        if info.size > _MAX_RECORD_BYTES or not step_part.startswith("step_"):
-            continue
+        step = parse_step_dir(name)
         try:
-            data = json.loads(storage.get_bytes(info.key))
-            files = data.get("files", []) if isinstance(data, dict) else []
-            # schema 1 lists files as a {path: meta} map, schema 2 as [{path, ...}]
-            paths = list(files) if isinstance(files, dict) else [f.get("path") for f in files]
-        except (RunnerError, ValueError, AttributeError, TypeError) as exc:
-            log.warning("aside record %s/%s cannot be read: %s", storage.uri, info.key, exc)
+            own_step, paths = _read_record(storage, info)
+            step = step if step is not None else own_step
+            if step is None:
+                raise ValueError("no step in its name or its manifest")
+        except ValueError as exc:
+            where = f"step {step}" if step is not None else "every step"
+            log.warning(
+                "aside record %s/%s cannot be read (%s): keeping every object of %s it might name",
+                storage.uri,
+                info.key,
+                exc,
+                where,
+            )
+            if step is None:
+                everything = True
+            else:
+                steps.add(step)
             continue
-        base = f"{CHECKPOINTS_DIR}/{step_part}"
-        keys |= {f"{base}/{p}" for p in paths if isinstance(p, str)}
-    return keys
+        base = f"{CHECKPOINTS_DIR}/{step_dir_name(step)}"
+        keys |= {f"{base}/{p}" for p in paths}
+    return ProtectedKeys(keys, steps=steps, everything=everything)
+
+
+def _read_record(storage: Storage, info: ObjectInfo) -> tuple[int | None, list[str]]:
+    """(the record's own step, the paths its files list names); ValueError saying why when it
+    cannot be read or names its files in a shape this runner does not know."""
+    if info.size > _MAX_RECORD_BYTES:
+        raise ValueError(f"{info.size} bytes")
+    try:
+        data = json.loads(storage.get_bytes(info.key))
+    except (RunnerError, RecursionError) as exc:  # JSON errors are ValueErrors already
+        raise ValueError(str(exc) or type(exc).__name__) from exc
+    files = data.get("files") if isinstance(data, dict) else None
+    # schema 1 lists files as a {path: meta} map, schema 2 as [{path, ...}]
+    if isinstance(files, dict):
+        paths = list(files)
+    elif isinstance(files, list) and all(isinstance(f, dict) for f in files):
+        paths = [f.get("path") for f in files]
+    else:
+        raise ValueError("no files list in a known shape")
+    if not all(isinstance(p, str) for p in paths):
+        raise ValueError("a file without a path")
+    step = data.get("step")
+    return (step if isinstance(step, int) and not isinstance(step, bool) else None), paths

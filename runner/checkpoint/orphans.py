@@ -4,7 +4,8 @@ A mirror gathers two kinds, both invisible to readers (they follow manifests) bu
 the payload of an upload whose node died before its manifest went up, and the attempt
 directory of the loser of a manifest race (see runner.mirror.remote_layout). Only objects
 older than a minimum age are candidates, and a step at or above the newest committed one is
-never touched: another pod may be uploading it right now.
+never touched: another pod may be uploading it right now. Nor is the payload of a checkpoint
+set aside (runner.checkpoint.aside): no manifest names it any more, its aside record does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from runner.checkpoint.aside import protected_keys
+from runner.checkpoint.aside import ProtectedKeys, protected_keys
 from runner.checkpoint.layout import CHECKPOINTS_DIR, checkpoint_key, manifest_key, parse_step_dir
 from runner.checkpoint.listing import read_manifest
 from runner.errors import RunnerError
@@ -41,11 +42,14 @@ def find_orphans(
     older_than_s: float,
     protect: Collection[int] = (),
     now: float | None = None,
+    aside: ProtectedKeys | None = None,
 ) -> list[ObjectInfo]:
     """Objects under `checkpoints/step_N/` that step N's manifest does not name (every object
     of a step without a manifest below the newest committed step), last modified at least
     `older_than_s` ago. Steps in `protect` and steps whose manifest cannot be read are left
-    alone: what cannot be interpreted is not deleted."""
+    alone: what cannot be interpreted is not deleted. Nor is an object an aside record
+    protects (`aside`: `protected_keys(storage)`, read here when not given); those it would
+    otherwise have taken are added to its `kept`."""
     by_step: dict[int, list[ObjectInfo]] = {}
     for info in storage.list(f"{CHECKPOINTS_DIR}/"):
         parts = info.key.split("/")
@@ -56,9 +60,10 @@ def find_orphans(
         step for step, infos in by_step.items() if any(i.key == manifest_key(step) for i in infos)
     }
     newest = max(committed, default=None)
-    kept = protected_keys(storage)  # the payload of a checkpoint set aside as foreign
+    kept = aside if aside is not None else protected_keys(storage)
     cutoff = (time.time() if now is None else now) - older_than_s
     orphans: list[ObjectInfo] = []
+    spared: list[str] = []
     for step, infos in sorted(by_step.items()):
         if step in protect:
             continue
@@ -74,20 +79,34 @@ def find_orphans(
             named = set()
         else:  # the newest step or beyond: possibly an upload in flight
             continue
-        orphans += [
-            info
-            for info in infos
-            if info.key not in named
-            and info.key not in kept
-            and info.modified is not None
-            and info.modified <= cutoff
-        ]
+        for info in infos:
+            if info.key in named or info.modified is None or info.modified > cutoff:
+                continue
+            if info.key in kept:
+                kept.spare(info)
+                spared.append(info.key)
+            else:
+                orphans.append(info)
+    if spared:
+        log.info(
+            "orphan sweep: keeping %d object(s) in %s that no manifest names but aside records "
+            "do (set aside, never deleted): %s",
+            len(spared),
+            storage.uri,
+            ", ".join(spared[:5]) + (", ..." if len(spared) > 5 else ""),
+        )
     return orphans
 
 
-def sweep_orphans(storage: Storage, *, older_than_s: float, protect: Collection[int] = ()) -> Sweep:
+def sweep_orphans(
+    storage: Storage,
+    *,
+    older_than_s: float,
+    protect: Collection[int] = (),
+    aside: ProtectedKeys | None = None,
+) -> Sweep:
     """Delete what `find_orphans` finds; returns what was deleted."""
-    sweep = Sweep(find_orphans(storage, older_than_s=older_than_s, protect=protect))
+    sweep = Sweep(find_orphans(storage, older_than_s=older_than_s, protect=protect, aside=aside))
     for info in sweep.deleted:
         storage.delete(info.key)
     if sweep.deleted:

@@ -13,7 +13,7 @@ import shutil
 
 from runner.atomicity.files import fsync_dir
 from runner.atomicity.temp import temp_path
-from runner.checkpoint.aside import protected_keys
+from runner.checkpoint.aside import ProtectedKeys, protected_keys
 from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.listing import list_checkpoints, read_manifest
@@ -39,6 +39,7 @@ def prune(
     newest_ok: int | None = None,
     known_good: set[int] | None = None,
     remote_sizes_only: bool = False,
+    aside: ProtectedKeys | None = None,
 ) -> list[int]:
     """Keep the newest `keep` checkpoints that are usable; delete older ones. Returns the
     deleted steps.
@@ -52,7 +53,9 @@ def prune(
     `remote_sizes_only` a mirror's candidate is checked by manifest and sizes only (the
     background mirror: hashing a remote copy means downloading it, and what it trusts most it
     uploaded itself). Steps found good are added to `known_good`, so a caller that keeps the
-    set checks each checkpoint once. Long: one newest-first pass that counts the K usable ones,
+    set checks each checkpoint once. Objects that aside records protect are never deleted
+    (`aside`: `protected_keys(storage)` when the caller read it already, else read here, once,
+    before the first deletion). Long: one newest-first pass that counts the K usable ones,
     skips protected and foreign ones and deletes the rest, read top to bottom."""
     if keep < MIN_KEEP:
         raise ConfigError(
@@ -67,7 +70,7 @@ def prune(
         return []
     counted = 0
     deleted = []
-    protected: set[str] | None = None  # read once, at the first deletion
+    protected = aside  # read once, at the first deletion
     for step in reversed(steps):
         if counted < keep:
             if step in good or _usable(storage, step, sizes_only=remote_sizes_only):
@@ -120,10 +123,12 @@ def _foreign(storage: Storage, step: int) -> bool:
     return False
 
 
-def delete_checkpoint(storage: Storage, step: int, *, protected: set[str] | None = None) -> None:
+def delete_checkpoint(
+    storage: Storage, step: int, *, protected: ProtectedKeys | None = None
+) -> None:
     """Manifest first (the checkpoint ceases to exist), then every other object under it
-    except those a `foreign` aside record protects (`protected`: `protected_keys(storage)`,
-    read here when not given).
+    except those an aside record protects (`protected`: `protected_keys(storage)`, read here
+    when not given; what it spares is added to its `kept`).
 
     In a local directory with nothing protected under the step, the whole step dir is first
     renamed to a `.tmp-` name, so it vanishes at once and a crash leaves only a temp dir that
@@ -131,8 +136,7 @@ def delete_checkpoint(storage: Storage, step: int, *, protected: set[str] | None
     base = checkpoint_key(step)
     if protected is None:
         protected = protected_keys(storage)
-    spared = {key for key in protected if key.startswith(f"{base}/")}
-    if isinstance(storage, FileStorage) and not spared:
+    if isinstance(storage, FileStorage) and not protected.under(step):
         step_dir = storage.root / base
         aside = temp_path(step_dir, tag="pruned")
         try:
@@ -143,6 +147,19 @@ def delete_checkpoint(storage: Storage, step: int, *, protected: set[str] | None
         shutil.rmtree(aside, ignore_errors=True)
         return
     storage.delete(manifest_key(step))
+    spared = 0
     for info in list(storage.list(f"{base}/")):
-        if info.key not in spared:
+        if info.key in protected:
+            protected.spare(info)
+            spared += 1
+        else:
             storage.delete(info.key)
+    if spared:
+        log.info(
+            "retention: deleted checkpoint step %d but kept %d object(s) under %s/%s that "
+            "aside records name (set aside, never deleted)",
+            step,
+            spared,
+            storage.uri,
+            base,
+        )

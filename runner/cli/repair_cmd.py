@@ -95,12 +95,17 @@ def _set_aside_error(steps: list[int], *, uri: str, source: str | None) -> Integ
 def _repair_step(target: Storage, origin: Storage | None, step: int, *, tmp: Path) -> str:
     """Put a verifying copy of the corrupt `step` from `origin` in its place ("restored"),
     or set the corrupt one aside ("set aside")."""
-    from runner.checkpoint.aside import CORRUPT, decommit_remote, set_aside_local
+    from runner.checkpoint.aside import CORRUPT, decommit_remote, protected_keys, set_aside_local
     from runner.checkpoint.layout import checkpoint_key
     from runner.mirror import upload_checkpoint
     from runner.storage.file import FileStorage
 
     local = target.root if isinstance(target, FileStorage) else None
+    if local is not None and protected_keys(target).under(step):
+        # a file:// mirror whose step dir also holds objects an aside record names (an older
+        # lineage's payload): moving the dir would take them from under their record, so
+        # de-commit and upload as in any mirror
+        local = None
     # straight into a run dir (the download sets the corrupt copy aside once the good
     # one has arrived whole and verified); via a temp dir for an upload
     good = _good_copy(origin, step, local or tmp)
@@ -109,8 +114,8 @@ def _repair_step(target: Storage, origin: Storage | None, step: int, *, tmp: Pat
     if good is not None:
         upload_checkpoint(target, good, writer_id="runner-repair", verify_existing=True)
         return "restored"
-    if isinstance(target, FileStorage):
-        set_aside_local(target.root, target.root / checkpoint_key(step), reason=CORRUPT)
+    if local is not None:
+        set_aside_local(local, local / checkpoint_key(step), reason=CORRUPT)
     else:
         decommit_remote(target, step, reason=CORRUPT)
     return "set aside"

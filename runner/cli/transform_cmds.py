@@ -98,8 +98,10 @@ def fork(src: str, dst: Path, step: int | None, as_json: bool) -> None:
 @json_output
 def prune(location: str, keep: int, orphan_age_hours: float, as_json: bool) -> None:
     """Keep the newest K usable checkpoints and delete older ones (a corrupt one is never
-    counted among the K, one of a newer schema never deleted); a run dir is locked meanwhile,
-    so a trainer writing it makes this exit 2."""
+    counted among the K, one of a newer schema never deleted, nor any object a checkpoint set
+    aside still names); a run dir is locked meanwhile, so a trainer writing it makes this exit
+    2."""
+    from runner.checkpoint.aside import protected_keys
     from runner.checkpoint.orphans import sweep_orphans
     from runner.checkpoint.retention import prune as prune_storage
     from runner.runtime import runlock
@@ -110,14 +112,18 @@ def prune(location: str, keep: int, orphan_age_hours: float, as_json: bool) -> N
         if is_run_dir_path(location):
             # a live trainer's in-flight checkpoints are protected only inside its process
             stack.enter_context(runlock.acquire(Path(location), command="runner prune"))
-        deleted = prune_storage(storage, keep=keep)
-        sweep = sweep_orphans(storage, older_than_s=orphan_age_hours * 3600)
+        aside = protected_keys(storage)  # once for both: what aside records name is kept
+        deleted = prune_storage(storage, keep=keep, aside=aside)
+        sweep = sweep_orphans(storage, older_than_s=orphan_age_hours * 3600, aside=aside)
+    kept_bytes = sum(aside.kept.values())
     if as_json:
         echo_json(
             {
                 "deleted": deleted,
                 "orphans_deleted": [info.key for info in sweep.deleted],
                 "orphan_bytes": sweep.bytes,
+                "aside_kept": sorted(aside.kept),
+                "aside_kept_bytes": kept_bytes,
             }
         )
         return
@@ -130,3 +136,9 @@ def prune(location: str, keep: int, orphan_age_hours: float, as_json: bool) -> N
         )
     if not deleted and not sweep.deleted:
         click.echo("nothing to prune")
+    if aside.kept:
+        click.echo(
+            f"kept {len(aside.kept)} object{'s' if len(aside.kept) != 1 else ''} "
+            f"({human_size(kept_bytes)}) under checkpoints/ that aside records name: checkpoints "
+            "set aside are never deleted (see aside/)"
+        )

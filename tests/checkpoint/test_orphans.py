@@ -73,6 +73,8 @@ def test_prune_cli_sweeps_orphans_older_than_the_limit(tmp_path: Path) -> None:
         "deleted": [],
         "orphans_deleted": [KILLED_UPLOAD],
         "orphan_bytes": 1000,
+        "aside_kept": [],
+        "aside_kept_bytes": 0,
     }
     assert not (bucket / KILLED_UPLOAD).parent.parent.exists()  # empty dirs go too
     assert (bucket / LOST_RACE).exists() and (bucket / IN_FLIGHT).exists()

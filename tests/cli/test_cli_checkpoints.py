@@ -286,6 +286,8 @@ def test_prune_keeps_k_usable_and_never_counts_a_corrupt_one(
         "deleted": [1],
         "orphans_deleted": [],
         "orphan_bytes": 0,
+        "aside_kept": [],
+        "aside_kept_bytes": 0,
     }
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step_000002",
