@@ -316,9 +316,10 @@ class Supervisor:
     def _unless_lost(self, code: int) -> int:
         """`code`, unless the trainer's newest checkpoint was rejected (or left open for
         writing) and nothing later was committed: then exit 3 (CheckpointNotAdoptedError),
-        after the mirror work above, so that no one takes the run for done or safely stopped."""
+        after the mirror work above, so that no one takes the run for done or safely stopped;
+        nor when a re-base is unfinished in the mirror (exit 1, runner/supervisor/rebased.py)."""
         self.commits.raise_if_lost()
-        return code
+        return self.commits.unless_rebase_unfinished(code)
 
     def _finish_stop(self, code: int, stop_sent_at: float, *, killed: bool, mute: bool) -> int:
         """After a stop we forwarded: 75 only when a final checkpoint stands, else 1 (2 or 3

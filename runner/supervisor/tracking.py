@@ -17,12 +17,14 @@ from runner.checkpoint.layout import parse_seed_bin
 from runner.checkpoint.retention import prune
 from runner.checkpoint.sidecars import LossFollower
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
+from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
 from runner.storage.file import FileStorage
+from runner.storage.retry import store_deadline
 from runner.supervisor.adopt import Adopted, SeedAdopter
 from runner.supervisor.ending import StopJudgement, judge_stop, last_logged_step, newest_committed
 from runner.supervisor.hooks import MetricsHook, MirrorHook
 from runner.supervisor.progress import Progress, newer, newest_of
-from runner.supervisor.rebased import RebaseFollower
+from runner.supervisor.rebased import RebaseFollower, rebased_from
 
 log = logging.getLogger("runner.supervisor.supervise")
 
@@ -47,7 +49,9 @@ class CommitTracker:
         # the newest step committed or waiting to be adopted when the stop was forwarded
         self.step_at_stop: int | None = None
         self.samples_at_stop = 0  # and its samples_seen (0: unknown, ordered by step)
-        self.rebase = RebaseFollower(mirror.storage) if mirror is not None else None
+        self.rebase = (
+            RebaseFollower(mirror.storage, ckpt_dir=self.ckpt_dir) if mirror is not None else None
+        )
         self._loss = LossFollower(run_dir)
         self._step_from_loss = False
         # steps adopted by this process: retention need not re-hash them
@@ -67,8 +71,10 @@ class CommitTracker:
         self.last_checkpoint = ckpt
         if self.rebase is not None and previous is not None:
             over = self.rebase.over if self.rebase.pending else previous.step
-            if ckpt.step < over:  # a re-base, or a newer checkpoint still below its stale steps
-                self.rebase.begin(ckpt, over=over)
+            # the trainer's re-based checkpoint, even when this scan first sees a later one
+            base = rebased_from(self.ckpt_dir, previous)
+            if ckpt.step < over or base is not None:  # a re-base, or a checkpoint after one
+                self.rebase.begin(ckpt, over=max(over, previous.step), base=base)
         return True
 
     def adopt(self, *, settled: bool, stopping: bool) -> list[Adopted]:
@@ -111,32 +117,34 @@ class CommitTracker:
             self._submit(newest)  # the final one is uploaded when the stop ends
 
     def _submit(self, ckpt: CommittedCheckpoint) -> None:
-        """Mirror `ckpt`; during a re-base, its candidate first (the newer ones may collide
-        with the stale steps until it landed)."""
+        """Mirror `ckpt`; during a re-base, its base first (runner/supervisor/rebased.py:
+        until it landed, a newer one may collide with a stale step and must wait)."""
         assert self.mirror is not None
         rebase = self.rebase
-        if rebase is None or rebase.candidate is None:
+        if rebase is None or not rebase.pending:
             self.mirror.submit(ckpt)
         elif not rebase.submitted:
-            rebase.clear_step(rebase.candidate)
-            self.mirror.submit(rebase.candidate)
+            rebase.prepare()
+            rebase.sent = rebase.to_upload(ckpt)
+            self.mirror.submit(rebase.sent)
             rebase.submitted = True
 
     def _follow_rebase(self, *, stopping: bool) -> None:
-        """While the mirror is idle: a candidate that landed de-commits the stale steps and
-        the newest checkpoint follows; one that did not is submitted again with the next."""
+        """While the mirror is idle: once the base landed the stale steps go and the newest
+        checkpoint follows; a base that did not land is submitted again with the next."""
         rebase = self.rebase
         if rebase is None or not rebase.pending or not rebase.submitted or self.mirror is None:
             return
         if not self.mirror.wait_idle(0):
             return
-        candidate = rebase.candidate
-        if rebase.settle():
+        base, sent = rebase.base, rebase.sent
+        if rebase.settle(by=sent) and not rebase.pending:
             newest = self.last_checkpoint
-            if newest is not None and newest is not candidate and not stopping:  # newer ones
+            landed = sent.step if sent is not None else None
+            if newest is not None and newest.step != landed and not stopping:  # newer ones
                 self.mirror.submit(newest)
             return
-        step = candidate.step if candidate is not None else None
+        step = base.step if base is not None else None
         log.warning(
             "mirror: re-based step %s did not reach the mirror; retried with the next", step
         )
@@ -147,25 +155,36 @@ class CommitTracker:
         self, ckpt: CommittedCheckpoint | None, *, deadline: float | None
     ) -> Iterator[None]:
         """Around the final upload of `ckpt` (runner.supervisor.ending): during a re-base its
-        candidate goes first (`ckpt` would collide with a stale step otherwise), and once
-        `ckpt` is in, the stale steps above it go."""
+        base goes first, within the stop's deadline (`ckpt` may collide with a stale step
+        otherwise, and the stale steps above the base may go only once it is in), then
+        `ckpt`, and once either is in, the stale steps. What is left undone makes the
+        attempt exit 1 (`unless_rebase_unfinished`)."""
         rebase = self.rebase
         if rebase is None or self.mirror is None or ckpt is None or not rebase.pending:
             yield
             return
         self.mirror.wait_idle(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        candidate = rebase.candidate
-        if not rebase.settle() and candidate is not None:
-            if candidate.step != ckpt.step and candidate.path.is_dir():
-                rebase.clear_step(candidate)
-                if self.mirror.upload_now(candidate, deadline=deadline):
-                    rebase.settle()
-            else:
-                rebase.begin(ckpt, over=rebase.over)
-                rebase.clear_step(ckpt)
+        with store_deadline(deadline):
+            rebase.settle(by=rebase.sent)  # it may have landed in the background
+            if rebase.pending:
+                rebase.prepare()  # also clears a stale step at `ckpt`'s own number
+                first = rebase.to_upload(ckpt)
+                if first.step != ckpt.step and self.mirror.upload_now(first, deadline=deadline):
+                    rebase.settle(by=first)
         yield
         if rebase.pending:
-            rebase.settle()
+            with store_deadline(deadline):
+                rebase.settle(by=ckpt)
+
+    def unless_rebase_unfinished(self, code: int) -> int:
+        """`code`, or 1 instead of done (0) or safely stopped (75) while a re-base is
+        unfinished in the mirror (runner/supervisor/rebased.py, `unfinished`)."""
+        rebase = self.rebase
+        why = rebase.unfinished() if rebase is not None else None
+        if why is None or code not in (EXIT_OK, EXIT_PREEMPTED):
+            return code
+        log.error("exiting 1, not %d: %s", code, why)
+        return EXIT_FAILURE
 
     def report_step(self) -> None:
         """The trainer's step, from its loss.jsonl when it keeps one."""

@@ -2,23 +2,36 @@
 rescaled down (step x 1 / 2), the trainer re-bases its run dir, and the supervisor, which owns
 the mirror, follows the run by progress (samples seen, not step numbers): the new lineage is
 uploaded and the bucket's older 1-rank checkpoints numbered above it are de-committed. The
-bucket alone then resumes the final state (the run dir deleted)."""
+bucket alone then resumes the final state (the run dir deleted).
+
+The stop during the rescaled run goes through SeaweedFS behind the fault proxy (a fake only
+for the fault): the re-based checkpoint's manifest is refused (503) until its background upload
+gave up, and the stop lands right after the 2-rank run committed a step above it, so the stop
+always races the re-base, whatever the machine's speed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, step_dir_name
 from runner.checkpoint.listing import list_checkpoints, read_manifest
+from runner.storage.base import Storage
 from runner.storage.file import FileStorage
+from runner.storage.s3 import S3Storage
 from tests.fixtures.cli_process import runner as run_runner
+from tests.fixtures.fault_proxy import SLOW_DOWN, FaultProxy, Request
 from tests.fixtures.multirank import final_fingerprint
+from tests.fixtures.s3 import SeaweedS3
 from tests.fixtures.supervised import Supervised
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +40,14 @@ BATCH = 4
 
 
 def _start(
-    started: list[Supervised], run_dir: Path, mirror: Path, *, ranks: int, steps: int
+    started: list[Supervised],
+    run_dir: Path,
+    mirror: Path | str,
+    *,
+    ranks: int,
+    steps: int,
+    env: dict[str, str] | None = None,
+    keep: int = 3,
 ) -> Supervised:
     launcher = [sys.executable, "-m", "runner"]
     if ranks > 1:
@@ -35,20 +55,21 @@ def _start(
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(ranks), "-m", "runner",
         ]  # fmt: skip
+    uri = mirror if isinstance(mirror, str) else mirror.as_uri()
     args = [
-        "--run-dir", str(run_dir), "--mirror", mirror.as_uri(), "--grace-seconds", "60", "--",
+        "--run-dir", str(run_dir), "--mirror", uri, "--grace-seconds", "60", "--",
         *launcher, "demo", "--run-dir", str(run_dir), "--steps", str(steps),
         "--ckpt-every", "5", "--batch-size", str(BATCH), "--device", "cpu", "--threads", "1",
-        "--no-progress",
+        "--no-progress", "--keep", str(keep),
     ]  # fmt: skip
-    s = Supervised(args, env={"OMP_NUM_THREADS": "1"})
+    s = Supervised(args, env={"OMP_NUM_THREADS": "1", **(env or {})})
     started.append(s)
     return s
 
 
-def _bucket(mirror: Path) -> dict[int, tuple[int, int]]:
+def _bucket(mirror: Path | Storage) -> dict[int, tuple[int, int]]:
     """step -> (samples_seen, world_size) of every checkpoint committed in the bucket."""
-    store = FileStorage(mirror)
+    store = FileStorage(mirror) if isinstance(mirror, Path) else mirror
     out = {}
     for step in list_checkpoints(store):
         m = read_manifest(store, step)
@@ -56,9 +77,27 @@ def _bucket(mirror: Path) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _verify(mirror: Path) -> None:
-    checked = run_runner("verify", mirror.as_uri())
+def _verify(mirror: Path | str) -> None:
+    checked = run_runner("verify", mirror if isinstance(mirror, str) else mirror.as_uri())
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _aside(store: Storage) -> list[str]:
+    """The steps whose manifests were set aside in the bucket (de-committed), with why."""
+    return sorted({info.key.split("/")[1] for info in store.list("aside/")})
+
+
+def _logged(s: Supervised, text: str) -> bool:
+    return any(text in line for line in list(s.stderr))
+
+
+def _wait(what: str, s: Supervised, ready: Callable[[], object], timeout: float = 240) -> None:
+    """Until `ready()` (a condition on the log, the run dir or the proxy); never a guess."""
+    end = time.monotonic() + timeout
+    while not ready():
+        assert s.proc.poll() is None, f"exited {s.proc.returncode} before {what}:\n{s.err}"
+        assert time.monotonic() < end, f"no {what} in {timeout:g} s:\n{s.err}"
+        time.sleep(0.05)
 
 
 def _wait_2rank_past(s: Supervised, run_dir: Path, step: int, timeout: float = 180) -> int:
@@ -122,38 +161,94 @@ LOSS_BACKFILL_DEFECT = "steps up to {stopped} it logged after it are lost"
     "past", [False, True], ids=["final-below-the-1-rank-steps", "final-past-them"]
 )
 def test_a_stop_during_the_rescaled_run_exits_75_with_its_final_checkpoint_the_buckets_newest(
-    supervised_launches: list[Supervised], tmp_path: Path, past: bool
+    supervised_launches: list[Supervised],
+    tmp_path: Path,
+    past: bool,
+    s3_server: SeaweedS3,
+    fault_proxy: FaultProxy,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A 1-rank run stopped at N (>= 20), resumed at 2 ranks (step N // 2) and stopped again
+    """A 1-rank run stopped at N (>= 40), resumed at 2 ranks (step N // 2) and stopped again
     after a 2-rank checkpoint numbered above N // 2 (`past`: above N): 75, the final
-    checkpoint is the bucket's newest by step, the 1-rank steps above the re-based lineage
-    are de-committed, and every checkpoint numbered above N // 2 is a 2-rank one."""
-    run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
-    first = _start(supervised_launches, run_dir, mirror, ranks=1, steps=200)
-    manifest = run_dir / "checkpoints" / "step_000020" / "manifest.json"
+    checkpoint is the bucket's newest by step, the re-based checkpoint N // 2 is committed
+    (below N), the 1-rank steps from it up are de-committed (kept aside), and every
+    checkpoint numbered above N // 2 is a 2-rank one.
+
+    Below N, the stop races the re-base: the re-based checkpoint's manifest is refused (503)
+    until its first upload gave up, and the stop lands as soon as the 2-rank run committed a
+    step above it, so the re-based checkpoint is still not in the bucket when the trainer
+    stops: it must land before the final one, and the stale 1-rank steps must go."""
+    location = f"s3://{s3_server.create_bucket()}/run"
+    through_proxy = {**s3_server.env(), "AWS_ENDPOINT_URL_S3": fault_proxy.endpoint}
+    for name, value in s3_server.env().items():  # the test reads the server directly
+        monkeypatch.setenv(name, value)
+    remote = S3Storage.from_uri(location)
+    run_dir = tmp_path / "run"
+    # the trainer keeps every checkpoint of the stopped run's length, the re-based one too
+    start = functools.partial(
+        _start, supervised_launches, run_dir, location, steps=200, env=through_proxy, keep=20
+    )
+    first = start(ranks=1)
+    # N // 2 steps between the re-based step and N: the rescaled run, stopped a checkpoint
+    # (5 steps) past the re-based one, stops far below N
+    manifest = run_dir / "checkpoints" / "step_000040" / "manifest.json"
     end = time.monotonic() + 180
     while not manifest.exists():
         assert first.proc.poll() is None and time.monotonic() < end, first.err
         time.sleep(0.05)
     first.proc.send_signal(signal.SIGTERM)
     assert first.wait(120) == 75, first.err
-    stopped = max(_bucket(mirror))
-    assert stopped >= 20 and _bucket(mirror)[stopped] == (stopped * BATCH, 1)
-
-    resized = _start(supervised_launches, run_dir, mirror, ranks=2, steps=200)
+    stopped = max(_bucket(remote))
+    assert stopped >= 40 and _bucket(remote)[stopped] == (stopped * BATCH, 1)
     rescaled = stopped // 2
-    _wait_2rank_past(resized, run_dir, stopped if past else rescaled)
-    resized.proc.send_signal(signal.SIGTERM)
-    code = resized.wait(120)
-    bucket = _bucket(mirror)
+    old_lineage = set(_bucket(remote))
+
+    refusing, uploading = threading.Event(), threading.Event()
+    base_dir = f"/{CHECKPOINTS_DIR}/{step_dir_name(rescaled)}/"
+
+    def plan(request: Request) -> str | None:
+        if request.method == "PUT" and base_dir in request.path:
+            uploading.set()  # the re-based checkpoint's upload has begun
+        held = request.operation == "PutManifest" and request.path.endswith(MANIFEST_NAME)
+        return SLOW_DOWN if held and base_dir in request.path and refusing.is_set() else None
+
+    if not past:
+        refusing.set()
+        fault_proxy.plan = plan
+    resized = start(ranks=2)
+    if past:
+        _wait_2rank_past(resized, run_dir, stopped)
+        resized.proc.send_signal(signal.SIGTERM)
+    else:
+        # the re-based checkpoint's upload has begun (it cannot land: its manifest is
+        # refused) and the 2-rank run committed a step above it: stop now
+        _wait("the re-based checkpoint's upload", resized, uploading.is_set)
+        _wait_2rank_past(resized, run_dir, rescaled)
+        resized.proc.send_signal(signal.SIGTERM)
+        # the refusal lasts until the first upload of the re-based step gave up, then the
+        # store is healthy again
+        gave_up = f"mirror: upload of step {rescaled} to {location} failed"
+        _wait("the re-based upload to give up", resized, lambda: _logged(resized, gave_up))
+        refusing.clear()
+        assert fault_proxy.injected_faults()[SLOW_DOWN] >= 1
+    code = resized.wait(240)
+    bucket = _bucket(remote)
     final = max(bucket)
-    assert (final > stopped) if past else (final < stopped), bucket
+    said = f"bucket {bucket}:\n{resized.err}"
+    assert (final > stopped) if past else (final < stopped), said
+    if not past:  # (past them, the bucket's retention may have pruned it since)
+        assert bucket.get(rescaled) == (stopped * BATCH, 2), said
     # (a 1-rank step numbered N // 2 itself may stay: older by both number and samples)
     for step, (samples, world) in bucket.items():
         if step > rescaled:
-            assert (samples, world) == (stopped * BATCH + (step - rescaled) * 2 * BATCH, 2)
+            expected = (stopped * BATCH + (step - rescaled) * 2 * BATCH, 2)
+            assert (samples, world) == expected, f"step {step}: {said}"
+    # de-committed, not deleted: every 1-rank step from the re-based one up is kept aside
+    aside = _aside(remote)
+    for step in (s for s in old_lineage if s >= rescaled):
+        assert any(a.startswith(f"{step_dir_name(step)}-") for a in aside), (step, aside)
     assert "holds a different checkpoint" not in resized.err, resized.err
-    _verify(mirror)
+    _verify(location)
     # the trainer does not backfill loss.jsonl past the rescaled step (it would make the
     # final checkpoint look as if steps logged after it were lost)
     assert LOSS_BACKFILL_DEFECT.format(stopped=stopped) not in resized.err, resized.err
