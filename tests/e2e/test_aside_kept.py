@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tests.fixtures.cli_process import runner
 from tests.fixtures.demo_process import checkpoint_steps, logged_steps, run_demo
 from tests.fixtures.multirank import Plain, demo_args, rank_exits, wait_until
 from tests.fixtures.s3 import SeaweedS3
+from tests.fixtures.supervised import Supervised
 from tests.fixtures.torchrun import Torchrun
 
 pytestmark = pytest.mark.e2e
@@ -98,6 +100,55 @@ def test_a_rebase_keeps_every_object_its_superseded_records_name(
     assert all(p.name.endswith(f"-{SUPERSEDED}") for p in local)
     for path in local:
         verify_dir(path)
+
+
+def supervise(started: list[Supervised], run_dir: Path, uri: str, *, ranks: int) -> Supervised:
+    """`runner run --mirror URI --keep 2 -- [torchrun --nproc-per-node N] runner demo ...`"""
+    launcher = [sys.executable, "-m", "runner"]
+    if ranks > 1:
+        launcher = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(ranks), "-m", "runner",
+        ]  # fmt: skip
+    args = [
+        "--run-dir", str(run_dir), "--mirror", uri, "--keep", "2", "--grace-seconds", "60",
+        "--", *launcher, *demo_args(run_dir, "--keep", "2", "--steps", STEPS)[2:],
+    ]  # fmt: skip
+    launch = Supervised(args, env={"OMP_NUM_THREADS": "1"})
+    started.append(launch)
+    return launch
+
+
+def test_a_rebase_under_runner_run_keeps_every_object_its_superseded_records_name(
+    s3_env: SeaweedS3, supervised_launches: list[Supervised], tmp_path: Path
+) -> None:
+    uri = f"s3://{s3_env.create_bucket()}/runs/supervised"
+    storage = open_storage(uri)
+    run_dir = tmp_path / "run"
+    first = supervise(supervised_launches, run_dir, uri, ranks=1)
+    wait_until(
+        lambda: max(logged_steps(run_dir), default=0) >= 52,
+        lambda: first.proc.poll() is None,
+        "step 52",
+    )
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 75, first.err
+    older = list_checkpoints(storage)
+    assert len(older) == 2 and older[-1] == checkpoint_steps(run_dir)[-1], older
+
+    again = supervise(supervised_launches, run_dir, uri, ranks=2)
+    assert again.wait(300) == 0, again.err
+    records = aside_records(storage)
+    assert [(r.step, r.reason) for r in records] == [(s, SUPERSEDED) for s in older], again.err
+    assert {r.step: missing_or_changed(storage, r) for r in records} == {s: [] for s in older}
+    assert max(list_checkpoints(storage)) > older[0] + 10  # the new lineage went past them
+
+    done = runner("prune", uri, "--keep", "2", "--orphan-age-hours", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    pruned = json.loads(done.stdout)
+    assert (pruned["deleted"], pruned["orphans_deleted"]) == ([], [])
+    assert pruned["aside_kept"] == sorted(key for r in records for key in r.files)
+    assert {r.step: missing_or_changed(storage, r) for r in records} == {s: [] for s in older}
 
 
 @pytest.fixture(scope="module")
