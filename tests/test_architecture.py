@@ -12,6 +12,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 # tests.<pkg>.test_x or tests.test_x: a test module, never a place to import helpers from
@@ -90,6 +92,7 @@ def test_no_test_module_imports_another_test_module() -> None:
     assert offenders == [], "shared helpers belong in tests/fixtures/:\n" + "\n".join(offenders)
 
 
+@pytest.mark.slow
 def test_the_import_scan_finds_test_module_imports() -> None:
     """The scan above can fail: each way of importing a test module is caught (the source
     is scanned as if it were a module of tests/cli/)."""

@@ -57,6 +57,7 @@ def flip_byte(storage: Storage, key: str, tmp: Path) -> None:
     storage.put_file(key, tmp)
 
 
+@pytest.mark.slow
 def test_a_superseded_record_keeps_its_objects_through_retention_and_the_sweep(
     any_storage: Storage, tmp_path: Path
 ) -> None:
@@ -82,6 +83,7 @@ def test_a_superseded_record_keeps_its_objects_through_retention_and_the_sweep(
     )
 
 
+@pytest.mark.slow
 def test_a_corrupt_record_protects_nothing(any_storage: Storage, tmp_path: Path) -> None:
     storage = any_storage
     old = lineage(storage, tmp_path / "old", (50, 52), seed=1)
@@ -99,6 +101,7 @@ def test_a_corrupt_record_protects_nothing(any_storage: Storage, tmp_path: Path)
     assert [(r.step, r.reason) for r in aside_records(storage)] == [(50, CORRUPT), (52, CORRUPT)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "record",
     [
@@ -130,6 +133,7 @@ def test_a_record_that_cannot_be_read_keeps_every_object_of_its_step(
     assert keys_under(storage, step_prefix(50)) == old[50] | new[50]
 
 
+@pytest.mark.slow
 def test_prune_cli_says_what_aside_records_kept(any_storage: Storage, tmp_path: Path) -> None:
     storage = any_storage
     old = lineage(storage, tmp_path / "old", (50, 52), seed=1)
@@ -158,6 +162,7 @@ def test_prune_cli_says_what_aside_records_kept(any_storage: Storage, tmp_path: 
     assert list_checkpoints(storage) == [60, 70] and new[70] <= keys_under(storage, "checkpoints/")
 
 
+@pytest.mark.slow
 def test_repair_sets_a_corrupt_step_aside_keeping_what_a_superseded_record_names(
     any_storage: Storage, tmp_path: Path
 ) -> None:

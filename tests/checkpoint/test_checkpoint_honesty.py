@@ -70,6 +70,7 @@ def _ok(result: subprocess.CompletedProcess[str]) -> str:
     return output
 
 
+@pytest.mark.slow
 def test_forged_newest_step_is_skipped_and_restarts_never_redo_steps(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _ok(run_demo(run, steps=30, ckpt_every=10))
@@ -93,6 +94,7 @@ def test_forged_newest_step_is_skipped_and_restarts_never_redo_steps(tmp_path: P
     assert forged_bytes <= contents(run)  # the forgery is refused, not destroyed
 
 
+@pytest.mark.slow
 def test_forged_step_in_a_file_mirror_is_skipped_on_download(tmp_path: Path) -> None:
     """A fresh node (empty run dir) resuming from a file:// mirror whose newest step is a
     forgery: it is downloaded, its counters disagree, it is never published locally, and
@@ -119,6 +121,7 @@ def test_forged_step_in_a_file_mirror_is_skipped_on_download(tmp_path: Path) -> 
     }
 
 
+@pytest.mark.slow
 def test_step_holding_another_steps_payload_fails_verify(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _ok(run_demo(run, steps=30, ckpt_every=10))
@@ -145,6 +148,7 @@ def test_step_holding_another_steps_payload_fails_verify(tmp_path: Path) -> None
     assert after == before
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_lying_checkpoints_in_s3_are_refused_by_verify_and_pull(
     s3_server: SeaweedS3, tmp_path: Path
@@ -182,6 +186,7 @@ def test_lying_checkpoints_in_s3_are_refused_by_verify_and_pull(
     assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == ["step_000030"]
 
 
+@pytest.mark.slow
 def test_hostile_manifests_are_refused_by_the_cli_without_reading_them_whole(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:

@@ -78,6 +78,7 @@ LINK_OUTSIDE = (
 )
 
 
+@pytest.mark.slow
 def test_verify_status_ls_refuse_a_payload_symlinked_outside(
     tmp_path: Path, linked_run: Path
 ) -> None:
@@ -141,6 +142,7 @@ def test_a_symlink_pointing_inside_the_directory_is_refused_too(
     assert hashes(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_pull_from_file_location_never_follows_a_symlink_out(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
@@ -183,6 +185,7 @@ def test_pull_from_file_location_never_follows_a_symlink_out(
     assert {k: v for k, v in after.items() if not k.startswith(str(dest))} == before
 
 
+@pytest.mark.slow
 def test_push_refuses_a_symlinked_payload_and_sends_nothing_of_it(
     tmp_path: Path, linked_run: Path
 ) -> None:
@@ -234,6 +237,7 @@ def test_file_storage_reads_never_follow_a_symlink(tmp_path: Path) -> None:
         storage.open_read("checkpoints/step_000001/fifo")  # and does not block
 
 
+@pytest.mark.slow
 def test_resume_skips_a_symlinked_payload_even_one_pointing_inside(tmp_path: Path) -> None:
     """A real demo run; its newest checkpoint's state.pt is made a symlink to a file inside
     the same directory (identical bytes, hashes valid). The restarted run skips it, names

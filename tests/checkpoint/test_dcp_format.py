@@ -41,6 +41,7 @@ def _assert_equal_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Te
         assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.slow
 def test_two_ranks_save_hashed_files_that_one_process_loads(tmp_path: Path) -> None:
     stage, out = tmp_path / "step_000001", tmp_path / "out"
     stage.mkdir()
@@ -63,6 +64,7 @@ def test_two_ranks_save_hashed_files_that_one_process_loads(tmp_path: Path) -> N
     _assert_equal_tensors(tensors(template), want)
 
 
+@pytest.mark.slow
 def test_one_process_save_loads_at_two_ranks(tmp_path: Path) -> None:
     stage, out = tmp_path / "step_000001", tmp_path / "out"
     stage.mkdir()

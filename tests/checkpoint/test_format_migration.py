@@ -282,6 +282,7 @@ DEMO_9FCE004_VALUES: dict[int, dict[str, Any]] = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_demo_manifests_are_those_of_the_runner_before_the_restructure(tmp_path: Path) -> None:
     done = run_demo(tmp_path / "run", steps=20, ckpt_every=10)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -69,6 +69,7 @@ def test_verify_names_the_missing_schema_and_exits_3(
     assert "step 1 at file://" in result.stderr and "is corrupt" in result.stderr
 
 
+@pytest.mark.slow
 def test_retention_deletes_a_schemaless_checkpoint_but_keeps_a_foreign_one(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:

@@ -57,6 +57,7 @@ def fill(path: Path) -> int:
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_full_disk_keeps_the_last_good_checkpoint_and_says_what_to_do(small_disk: Path) -> None:
     run_dir = small_disk / "run"
     done = run_demo(run_dir, steps=6, ckpt_every=2)
@@ -127,6 +128,7 @@ def test_loss_log_on_a_full_disk_holds_its_lines_and_leaves_no_torn_line(
     assert "nothing lost" in recoveries[0].getMessage()
 
 
+@pytest.mark.slow
 def test_demo_on_a_full_disk_keeps_its_loss_history_and_checkpoints_once_space_returns(
     tmp_path: Path,
 ) -> None:
@@ -190,6 +192,7 @@ ROOM_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_mode", ["async", "sync"])
 def test_demo_on_a_disk_that_holds_keep_checkpoints_goes_on_checkpointing_to_its_last_step(
     tmp_path: Path, save_mode: str

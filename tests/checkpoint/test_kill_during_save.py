@@ -25,6 +25,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from runner.checkpoint.load import load_state
 from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
@@ -140,6 +142,7 @@ def _check_final_names(ckpt_dir: Path) -> list[int]:
     return sorted(steps)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_instants_never_breaks_the_newest_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _save(CheckpointWriter(run_dir / "checkpoints", run_id="kill", writer_id="seed"), 0)

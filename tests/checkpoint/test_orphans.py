@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.orphans import find_orphans, sweep_orphans
 from runner.checkpoint.verify import verify_checkpoint
@@ -28,6 +30,7 @@ def seed_debris(storage: Storage, run: Path) -> None:
         storage.put_bytes(key, b"x" * 1000)
 
 
+@pytest.mark.slow
 def test_sweep_deletes_only_old_objects_no_manifest_names(
     any_storage: Storage, tmp_path: Path
 ) -> None:

@@ -107,6 +107,7 @@ def _worker_staging_fails(ckpt_dir: str) -> None:
     group.barrier()  # the ranks still call collectives in step: nothing is left waiting
 
 
+@pytest.mark.slow
 def test_a_staging_failure_on_rank_0_fails_the_save_on_every_rank_without_a_hang(
     gloo_world: Callable[..., GlooWorld], tmp_path: Path
 ) -> None:
@@ -163,6 +164,7 @@ def _worker_presence(how: str, base: str) -> None:
     group.barrier()  # the ranks still call collectives in step: nothing is left waiting
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["missing", "short"])
 def test_rank_0_never_commits_a_manifest_naming_a_file_it_cannot_see_at_its_size(
     gloo_world: Callable[..., GlooWorld], tmp_path: Path, how: str

@@ -52,6 +52,7 @@ def _sync_manifest(step_dir: Path) -> None:
     (step_dir / "manifest.json").write_text(json.dumps(data))
 
 
+@pytest.mark.slow
 def test_ls_lists_newest_first_with_size_age_format(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
@@ -71,6 +72,7 @@ def test_ls_lists_newest_first_with_size_age_format(
     assert text[1].split()[0] == "10" and text[1].split()[4] == "torch-state"  # size is "N.N KiB"
 
 
+@pytest.mark.slow
 def test_verify_names_each_corrupt_checkpoint_and_exits_3_only_for_the_newest(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
@@ -150,6 +152,7 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["pickle that runs code", "unknown payload schema"])
 def test_loading_refuses_payloads_that_verify_but_are_unsafe_or_unknown(
     tmp_path: Path, save_checkpoint: SaveCheckpoint, case: str
@@ -204,6 +207,7 @@ def test_inspect_shows_manifest_and_seed_header(
     assert "step: 9" in runner("inspect", seed).stdout
 
 
+@pytest.mark.slow
 def test_convert_round_trip_is_byte_identical(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
@@ -255,6 +259,7 @@ def test_fork_copies_checkpoint_and_loss_history_up_to_the_step(
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 
+@pytest.mark.slow
 def test_fork_without_step_skips_a_corrupt_newest(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
@@ -269,6 +274,7 @@ def test_fork_without_step_skips_a_corrupt_newest(
     assert not list((tmp_path / "fork/checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_prune_keeps_k_usable_and_never_counts_a_corrupt_one(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:

@@ -57,6 +57,7 @@ def manifest_of(step_dir: Path) -> dict[str, object]:
 # 1. --version / --help are never read from the environment
 
 
+@pytest.mark.slow
 def test_runner_version_in_the_environment_does_not_hijack_demo(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = runner(
@@ -262,6 +263,7 @@ def bucket_and_local(tmp_path: Path, save_checkpoint: SaveCheckpoint) -> tuple[s
     return bucket, tmp_path / "local"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step_args", [(), ("--step", "5")])
 def test_pull_refuses_to_replace_a_different_verified_checkpoint(
     bucket_and_local: tuple[str, Path], step_args: tuple[str, ...]
@@ -285,6 +287,7 @@ def test_pull_refuses_to_replace_a_different_verified_checkpoint(
     assert sorted(p.name for p in (local / "checkpoints").iterdir()) == ["step_000005"]
 
 
+@pytest.mark.slow
 def test_pull_of_an_identical_checkpoint_is_a_no_op(
     tmp_path: Path, bucket_and_local: tuple[str, Path]
 ) -> None:
@@ -299,6 +302,7 @@ def test_pull_of_an_identical_checkpoint_is_a_no_op(
     assert (dest / checkpoint_key(5) / "manifest.json").read_bytes() == manifest
 
 
+@pytest.mark.slow
 def test_pull_repairs_a_corrupt_local_checkpoint(bucket_and_local: tuple[str, Path]) -> None:
     bucket, local = bucket_and_local
     state = local / checkpoint_key(5) / "state.pt"

@@ -95,6 +95,7 @@ def test_invalid_endpoint_stops_runner_run_before_the_trainer(tmp_path: Path) ->
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_invalid_endpoint_stops_runner_demo(tmp_path: Path) -> None:
     result = runner(
         "demo",
@@ -259,6 +260,7 @@ def test_credentials_in_an_invalid_notice_endpoint_are_never_shown(
     assert "admin" not in line
 
 
+@pytest.mark.slow
 def test_credentials_in_the_endpoint_never_appear_in_any_output_or_log(tmp_path: Path) -> None:
     """Every store command, plus `runner run` and `runner demo` with an s3:// mirror, against
     an endpoint with a user:password that refuses connections: each fails, and the secret is

@@ -81,6 +81,7 @@ def test_a_checkpoints_dir_given_as_location_is_named_with_its_run_dir(
     )
 
 
+@pytest.mark.slow
 def test_a_step_dir_given_as_location_is_named_with_its_run_dir_and_step(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:
@@ -108,6 +109,7 @@ def test_a_plain_empty_dir_gets_no_hint(tmp_path: Path) -> None:
     assert verified.stderr == f"runner: error: file://{tmp_path}/empty: no checkpoints to verify\n"
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_an_s3_prefix_one_or_two_levels_too_deep_is_named(
     s3_server: SeaweedS3, tmp_path: Path, save_checkpoint: SaveCheckpoint
@@ -126,6 +128,7 @@ def test_an_s3_prefix_one_or_two_levels_too_deep_is_named(
     assert verified.stderr.endswith(f"hint: {_step_dir_hint(step_dir, mirror, 3)}\n"), verified
 
 
+@pytest.mark.slow
 def test_ls_verify_shows_size_age_and_verdict_of_a_corrupt_checkpoint(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from runner.demo.display import ProgressDisplay
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,6 +89,7 @@ def run_in_pty(argv: list[str], *, timeout: float = 120) -> tuple[int, str]:
     return code, b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")
 
 
+@pytest.mark.slow
 def test_log_lines_start_at_column_0_while_the_progress_line_is_live(tmp_path: Path) -> None:
     """`runner demo` on a terminal (live line by default) logs each checkpoint commit during
     the progress display: every record is on a line of its own. Without the cooperation the

@@ -66,6 +66,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run, tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_verify_passes_then_names_the_corrupt_file_and_its_rank(
     dcp_run: Path, tmp_path: Path
 ) -> None:
@@ -87,6 +88,7 @@ def test_verify_passes_then_names_the_corrupt_file_and_its_rank(
     assert bad.stderr == f"runner: error: step {STEP} at file://{run} is corrupt\n"
 
 
+@pytest.mark.slow
 def test_a_missing_file_is_named_with_its_rank(dcp_run: Path, tmp_path: Path) -> None:
     run = _copy(dcp_run, tmp_path)
     step_dir = run / "checkpoints" / f"step_{STEP:06d}"
@@ -124,6 +126,7 @@ def test_inspect_shows_world_size_and_each_ranks_files(dcp_run: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_ls_gains_the_world_size_and_keeps_its_columns(dcp_run: Path) -> None:
     [row] = json.loads(runner("ls", dcp_run, "--json").stdout)
     assert (row["step"], row["format"], row["world_size"]) == (STEP, FORMAT_DCP, 2)

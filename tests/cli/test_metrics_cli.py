@@ -158,6 +158,7 @@ class CuttableLink:
                     sock.shutdown(socket.SHUT_RDWR)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_run_metrics_follow_checkpoints_and_count_failures_while_the_s3_link_is_cut(
     s3_server, tmp_path
@@ -256,6 +257,7 @@ def test_run_metrics_follow_checkpoints_and_count_failures_while_the_s3_link_is_
         link.cut()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_demo_metrics_follow_checkpoints(tmp_path):
     port = free_port()

@@ -16,6 +16,7 @@ from tests.fixtures.cli_process import runner
 from tests.fixtures.s3 import SeaweedS3
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_push_ls_verify_pull_prune_fork_on_s3(s3_server: SeaweedS3, tmp_path: Path) -> None:
     env = s3_server.env()

@@ -44,6 +44,7 @@ def run_and_mirror(tmp_path, save_checkpoint):
     return run_dir, mirror, first, second
 
 
+@pytest.mark.slow
 def test_json_reports_the_newest_verified_checkpoint_per_location(run_and_mirror):
     run_dir, mirror, first, second = run_and_mirror
     result = runner_cli("status", str(run_dir), mirror, "--json")
@@ -68,6 +69,7 @@ def test_json_reports_the_newest_verified_checkpoint_per_location(run_and_mirror
     assert remote["newest"]["fingerprint"] == first.manifest.fingerprint
 
 
+@pytest.mark.slow
 def test_human_output_names_step_age_and_verification(run_and_mirror):
     run_dir, mirror, _, _ = run_and_mirror
     result = runner_cli("status", str(run_dir), mirror)
@@ -82,6 +84,7 @@ def test_human_output_names_step_age_and_verification(run_and_mirror):
     assert lines[4].endswith("  verified")
 
 
+@pytest.mark.slow
 def test_corrupt_newest_shows_the_resume_point(run_and_mirror):
     run_dir, _, _, second = run_and_mirror
     corrupt(second.path / "state.pt")
@@ -142,6 +145,7 @@ def test_age_is_measured_from_the_manifest_creation_time(run_and_mirror):
     assert status.newest.age_seconds == pytest.approx(3720)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_status_of_an_s3_mirror(run_and_mirror, s3_server):
     run_dir, _, _, second = run_and_mirror

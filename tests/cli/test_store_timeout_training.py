@@ -16,6 +16,7 @@ from tests.fixtures.demo_process import demo_cmd
 from tests.fixtures.fake_store import START_MARGIN_S, FakeStore, env_for
 
 
+@pytest.mark.slow
 def test_fake_500_store_demo_store_timeout_reaches_the_mirror_and_later_uploads_are_tried(
     tmp_path: Path,
 ) -> None:
@@ -45,6 +46,7 @@ def test_fake_500_store_demo_store_timeout_reaches_the_mirror_and_later_uploads_
     assert "not tried" not in output, output
 
 
+@pytest.mark.slow
 def test_fake_500_store_runner_run_start_up_gives_up_within_its_store_timeout(
     tmp_path: Path,
 ) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARK = REPO / "benchmarks" / "distributed.py"
 MECHANISMS = [
@@ -36,6 +38,7 @@ def _run(*args: str, cwd: Path) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_agreement_section_measures_and_reports_every_mechanism(tmp_path: Path) -> None:
     results = json.loads(_run("--json", cwd=tmp_path))
     assert list(results) == ["agreement"]

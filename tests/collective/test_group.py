@@ -34,6 +34,7 @@ def _worker_ops() -> None:
     }))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_ranks_agree_on_the_max_broadcast_and_gather(
     gloo_world: Callable[..., GlooWorld],
 ) -> None:
@@ -95,6 +96,7 @@ def _wait_ready(world: GlooWorld, timeout: float = 60) -> None:
 
 # Measured here (2 cores, gloo on loopback): the survivor of a SIGKILL raises 15-20 ms later
 # (gloo sees the closed connection); a peer that hangs (SIGSTOP) is noticed after the timeout.
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank 1 killed", "rank 0 (store host) killed"])
 def test_a_sigkilled_peer_makes_the_survivor_raise_peer_lost(
     gloo_world: Callable[..., GlooWorld], victim: int
@@ -114,6 +116,7 @@ def test_a_sigkilled_peer_makes_the_survivor_raise_peer_lost(
     assert "The last committed checkpoint stands" in done.stderr
 
 
+@pytest.mark.slow
 def test_every_survivor_of_four_ranks_raises_peer_lost(
     gloo_world: Callable[..., GlooWorld],
 ) -> None:
@@ -131,6 +134,7 @@ def test_every_survivor_of_four_ranks_raises_peer_lost(
         assert json.loads(done.stdout.splitlines()[-1])["lost_at"] - killed_at < 30
 
 
+@pytest.mark.slow
 def test_a_hung_peer_makes_the_survivor_raise_after_the_timeout(
     gloo_world: Callable[..., GlooWorld],
 ) -> None:
@@ -147,6 +151,7 @@ def test_a_hung_peer_makes_the_survivor_raise_after_the_timeout(
     )
 
 
+@pytest.mark.slow
 def test_the_torchrun_harness_finds_ranks_and_their_logs(
     torchrun: Callable[..., Torchrun], tmp_path: Path
 ) -> None:
@@ -173,6 +178,7 @@ def test_the_torchrun_harness_finds_ranks_and_their_logs(
     assert "exitcode  : 41" in launch.output()
 
 
+@pytest.mark.slow
 def test_the_torchrun_harness_signals_the_agent_which_forwards_to_every_rank(
     torchrun: Callable[..., Torchrun], tmp_path: Path
 ) -> None:

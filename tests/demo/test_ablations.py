@@ -18,6 +18,7 @@ from runner.demo.ablations import (
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.mark.slow
 def test_exact_resume_is_free_and_every_omission_costs() -> None:
     # 7 batches per epoch; stopping at step 11 is mid-epoch (epoch 1, batch 4).
     results = run_ablation_study(steps=20, stop_at=11, seed=3, max_samples=56)

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from runner.demo.display import ProgressDisplay
 from tests.fixtures.demo_process import demo_cmd
 
@@ -71,6 +73,7 @@ def test_non_live_output_prints_every_interval() -> None:
     assert _shown(out) == [(2, 1, 1), (7, 1, 6)]
 
 
+@pytest.mark.slow
 def test_demo_progress_line_ages_until_the_next_checkpoint(tmp_path: Path) -> None:
     """`runner demo --progress`: after a SIGUSR1 checkpoint and no further commit, the line
     shows the age growing past 0 s (it used to be reset at every step)."""

@@ -32,6 +32,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[in
     return str(manifest(run_dir, DEMO_STEPS)["fingerprint"]), LossLog(run_dir).read()
 
 
+@pytest.mark.slow
 def test_sigterm_commits_final_checkpoint_exits_75_and_resume_is_exact(
     tmp_path: Path, straight_run: tuple[str, dict[int, float]]
 ) -> None:
@@ -53,6 +54,7 @@ def test_sigterm_commits_final_checkpoint_exits_75_and_resume_is_exact(
     assert LossLog(tmp_path).read() == losses
 
 
+@pytest.mark.slow
 def test_sigkill_resumes_from_last_periodic_checkpoint(
     tmp_path: Path, straight_run: tuple[str, dict[int, float]]
 ) -> None:
@@ -71,6 +73,7 @@ def test_sigkill_resumes_from_last_periodic_checkpoint(
     assert LossLog(tmp_path).read() == losses
 
 
+@pytest.mark.slow
 def test_sigusr1_checkpoints_and_keeps_training(tmp_path: Path) -> None:
     proc = start_demo(tmp_path, steps=2000, ckpt_every=0)
     try:
@@ -91,6 +94,7 @@ def test_sigusr1_checkpoints_and_keeps_training(tmp_path: Path) -> None:
     assert proc.returncode == 75
 
 
+@pytest.mark.slow
 def test_repeated_sigterm_still_commits_a_verified_final_checkpoint(tmp_path: Path) -> None:
     proc = start_demo(tmp_path)
     wait_for_step(proc, tmp_path, 10)
@@ -102,6 +106,7 @@ def test_repeated_sigterm_still_commits_a_verified_final_checkpoint(tmp_path: Pa
     verify_dir(tmp_path / "checkpoints" / f"step_{newest:06d}")
 
 
+@pytest.mark.slow
 def test_finished_run_rerun_is_a_no_op(tmp_path: Path) -> None:
     first = run_demo(tmp_path, steps=10, ckpt_every=5)
     assert first.returncode == 0, first.stderr
@@ -121,6 +126,7 @@ def test_bad_option_is_a_usage_error(tmp_path: Path) -> None:
     assert "--keep must be >= 2" in done.stderr
 
 
+@pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_and_is_replaced_by_a_good_one(
     tmp_path: Path, straight_run: tuple[str, dict[int, float]]
 ) -> None:

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_drill_reports_exact_resume_and_the_cost_of_each_omission() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "runner", "drill", "--steps", "40", "--stop-at", "7", "--json"],

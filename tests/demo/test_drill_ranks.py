@@ -25,6 +25,7 @@ from runner.demo.drill_ranks_report import (
 STEPS, STOP_AT, BATCH = 24, 9, 4
 
 
+@pytest.mark.slow
 def test_drill_on_two_ranks_resumes_exactly_and_at_one_rank_consumes_each_sample_once(
     tmp_path: Path,
 ) -> None:

@@ -63,6 +63,7 @@ def alerts_named(server: Any, name: str) -> list[dict[str, Any]]:
     return [a for a in server.alerts() if a["labels"]["alertname"] == name]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_stale_alert_fires_when_checkpoints_stop_and_down_when_the_runner_dies(
     start_prometheus, tmp_path

@@ -140,6 +140,7 @@ def open_idle_connections(port: int, count: int) -> tuple[list[socket.socket], i
     return socks, established
 
 
+@pytest.mark.slow
 def test_idle_connection_flood_does_not_stop_checkpoints_or_the_final_save(
     tmp_path: Path, many_fds: None
 ) -> None:
@@ -212,6 +213,7 @@ def _send_and_hang_up(port: int, data: bytes, *, reset: bool) -> bytes:
         return reply
 
 
+@pytest.mark.slow
 def test_malformed_requests_leave_one_warning_line_and_no_traceback(tmp_path: Path) -> None:
     run_dir, port = tmp_path / "run", free_port()
     with demo(run_dir, tmp_path / "demo.log", "--metrics-port", str(port)) as d:
@@ -279,6 +281,7 @@ def _connects(host: str, port: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_metrics_host_loopback_is_logged_and_refuses_other_addresses(tmp_path: Path) -> None:
     run_dir, port = tmp_path / "run", free_port()
     extra = ("--metrics-port", str(port), "--metrics-host", "127.0.0.1")
@@ -316,6 +319,7 @@ def test_runner_run_takes_metrics_host_from_the_environment(tmp_path: Path) -> N
         proc.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_ipv6_wildcard_and_brackets_bind_and_a_foreign_address_is_a_clear_error(
     tmp_path: Path,
 ) -> None:
@@ -380,6 +384,7 @@ def test_a_refused_oversized_head_still_reaches_a_client_that_is_still_sending()
     assert reply.startswith(b"HTTP/1.1 431 "), reply[:80]
 
 
+@pytest.mark.slow
 def test_a_trickling_request_is_cut_at_the_deadline_not_kept_alive_by_each_byte() -> None:
     # Slowloris: one byte every 0.2 s never trips a per-recv timeout; the deadline covers the
     # whole request head.

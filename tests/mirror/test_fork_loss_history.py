@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures.ckpt import SaveCheckpoint, tiny_train_state
 from tests.fixtures.demo_process import run_demo
 
@@ -25,6 +27,7 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_fork_from_a_bucket_restores_the_loss_history_from_the_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -48,6 +51,7 @@ def test_fork_from_a_bucket_restores_the_loss_history_from_the_checkpoint(
     assert [x["step"] for x in _lines(tmp_path / "fork3/loss.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_fork_fills_only_the_steps_the_source_log_lacks(
     tmp_path: Path, save_checkpoint: SaveCheckpoint
 ) -> None:

@@ -139,6 +139,7 @@ def test_two_writers_with_the_same_state_both_succeed(remote: Storage, tmp_path:
     )
 
 
+@pytest.mark.slow
 def test_resume_from_an_empty_run_dir_falls_back_past_a_corrupt_newest(
     remote: Storage, tmp_path: Path
 ) -> None:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.manifest import FORMAT_DCP
@@ -130,6 +132,7 @@ def _worker(base: str) -> None:
     group.barrier()
 
 
+@pytest.mark.slow
 def test_commit_to_bucket_on_two_ranks_fake_faults_conflict_and_load(
     gloo_world: Callable[..., GlooWorld], tmp_path: Path
 ) -> None:

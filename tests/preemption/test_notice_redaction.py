@@ -8,6 +8,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
 from runner.config import RunConfig
 from runner.preemption.notices import start_notice_poller
 from runner.preemption.stop import StopController
@@ -25,6 +27,7 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_demo_with_a_password_in_an_unreachable_notice_endpoint_never_logs_it(
     tmp_path: Path,
 ) -> None:

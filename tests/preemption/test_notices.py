@@ -56,6 +56,7 @@ def _utc_in(seconds: float) -> datetime:
     return datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=seconds)
 
 
+@pytest.mark.slow
 def test_aws_notice_stops_within_two_polls_with_the_notice_deadline(
     tmp_path: Path, fake_cloud: FakeCloud, controller: StopController
 ) -> None:
@@ -95,6 +96,7 @@ def test_aws_expired_token_is_renewed(fake_cloud: FakeCloud) -> None:
     assert len(fake_cloud.requests_to("/latest/api/token")) == 2
 
 
+@pytest.mark.slow
 def test_gcp_notice_stops_within_two_polls_with_30s_deadline(
     tmp_path: Path, fake_cloud: FakeCloud, controller: StopController
 ) -> None:
@@ -112,6 +114,7 @@ def test_gcp_notice_stops_within_two_polls_with_30s_deadline(
     assert reads and all(r[2]["metadata-flavor"] == "Google" for r in reads)
 
 
+@pytest.mark.slow
 def test_azure_preempt_event_stops_with_not_before_deadline(
     tmp_path: Path, fake_cloud: FakeCloud, controller: StopController
 ) -> None:
@@ -163,6 +166,7 @@ def test_auto_detects_the_cloud_that_answers(
         only.close()
 
 
+@pytest.mark.slow
 def test_auto_off_cloud_does_not_block_start_up(tmp_path: Path, controller: StopController) -> None:
     # A metadata address that accepts connections and never answers: the worst case off-cloud.
     silent = socket.socket()
@@ -199,6 +203,7 @@ def test_auto_with_nothing_listening_turns_itself_off(
     assert poller.active is None and poller.polls == 0
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_keeps_polling_without_stopping(
     tmp_path: Path, fake_cloud: FakeCloud, controller: StopController
 ) -> None:

@@ -51,6 +51,7 @@ def test_the_console_script_is_the_early_entry() -> None:
     assert (REPO / "runner/__main__.py").read_text() == "from runner.entry import main\n\nmain()\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.2, 0.5])
 def test_a_second_sigterm_after_the_first_never_changes_exit_75(
     tmp_path: Path, gap_s: float
@@ -76,6 +77,7 @@ def test_a_second_sigterm_after_the_first_never_changes_exit_75(
     assert f"stopped by SIGTERM at step {stopped_at}: final checkpoint durable" in err
 
 
+@pytest.mark.slow
 def test_a_sigint_then_sigterms_keep_the_first_signal_as_the_reason(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _start(demo_cmd(run_dir, steps=5000, ckpt_every=1000))
@@ -94,6 +96,7 @@ def test_a_sigint_then_sigterms_keep_the_first_signal_as_the_reason(tmp_path: Pa
     assert "stopped by SIGINT at step" in err and "stopped by SIGTERM" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["python -m runner", "console script"])
 @pytest.mark.parametrize("after_s", [0.1, 0.5, 1.0])
 def test_sigterm_right_after_start_exits_75_with_nothing_trained(
@@ -130,6 +133,7 @@ def _assert_clean_stop(run_dir: Path, err: str, *, resumed_at: int) -> None:
         assert max(trained) in checkpoint_steps(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after_s", [0.1, 0.5, 1.0])
 def test_sigterm_right_after_start_of_a_resumed_run_exits_75_and_keeps_its_checkpoint(
     tmp_path: Path, after_s: float
@@ -189,6 +193,7 @@ USER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_repeated_sigterm_after_a_train_session_stopped_leaves_the_scripts_exit_code(
     tmp_path: Path,
 ) -> None:

@@ -63,6 +63,7 @@ def _sigterm_during_startup(run_dir: Path, cmd: list[str] | None = None) -> tupl
     return proc.returncode, err, took
 
 
+@pytest.mark.slow
 def test_fake_silent_store_sigterm_during_startup_exits_75_within_grace(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     code, err, took = _sigterm_during_startup(run_dir)
@@ -95,6 +96,7 @@ def test_fake_silent_store_sigterm_during_runner_run_startup_exits_75_without_a_
     assert checkpoint_steps(run_dir) == []
 
 
+@pytest.mark.slow
 def test_fake_silent_store_sigterm_during_a_resumed_startup_keeps_the_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -189,6 +191,7 @@ def test_startup_work_errors_reach_the_caller() -> None:
     stop.close()
 
 
+@pytest.mark.slow
 def test_a_refused_checkpoint_is_logged_once_under_runner_run(tmp_path: Path) -> None:
     """`runner run -- runner demo`: the supervisor resolves the run dir, then the demo does
     again; the refusal of the corrupt newest checkpoint is logged once, not by both."""
@@ -281,6 +284,7 @@ TRAIN_FIRST_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fake_silent_store_a_loop_that_trains_before_asking_saves_and_logs_nothing(
     tmp_path: Path,
 ) -> None:

@@ -48,6 +48,7 @@ EVERY_REQUEST = None
 WRITES = frozenset({"PutObject", "UploadPart", "PutManifest", "CreateMultipartUpload"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fault", "operations"),
     [(HANG, EVERY_REQUEST), (HANG, WRITES), (SLOW_DOWN, EVERY_REQUEST)],

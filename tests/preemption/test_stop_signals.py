@@ -104,6 +104,7 @@ def test_handlers_set_state_and_restore_previous_handlers() -> None:
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+@pytest.mark.slow
 def test_signal_storm_while_main_thread_waits_does_not_deadlock() -> None:
     """SIGUSR1 delivered hundreds of times while the main thread is inside wait_any and
     another thread also posts requests: the handler takes no lock, so nothing hangs."""
@@ -157,6 +158,7 @@ def _read_until(proc: subprocess.Popen[str], prefix: str) -> str:
             return line.strip()
 
 
+@pytest.mark.slow
 def test_real_process_sigusr1_checkpoints_and_keeps_going(tmp_path: Path) -> None:
     proc = _spawn_stop_loop(tmp_path)
     try:
@@ -180,6 +182,7 @@ def test_real_process_sigusr1_checkpoints_and_keeps_going(tmp_path: Path) -> Non
     ]
 
 
+@pytest.mark.slow
 def test_second_sigterm_during_final_save_neither_aborts_nor_corrupts(tmp_path: Path) -> None:
     proc = _spawn_stop_loop(tmp_path)
     try:

@@ -268,6 +268,7 @@ def test_stop_deadline_is_the_requests_own_else_grace_from_the_first_arrival() -
         stop.close()
 
 
+@pytest.mark.slow
 def test_fake_stalled_store_a_stop_without_deadline_gets_the_grace_from_its_arrival(
     tmp_path: Path, stop: StopController
 ) -> None:
@@ -286,6 +287,7 @@ def test_fake_stalled_store_a_stop_without_deadline_gets_the_grace_from_its_arri
     assert arrived + 1.0 - 0.1 <= returned <= arrived + 1.0 + 1.0, returned - arrived
 
 
+@pytest.mark.slow
 def test_fake_stalled_store_a_normal_finish_waits_for_the_upload_without_deadline(
     tmp_path: Path, stop: StopController
 ) -> None:
@@ -300,6 +302,7 @@ def test_fake_stalled_store_a_normal_finish_waits_for_the_upload_without_deadlin
     assert list_checkpoints(store) == [10]
 
 
+@pytest.mark.slow
 def test_fake_stalled_store_a_finish_with_a_stop_pending_gets_the_grace_too(
     tmp_path: Path, stop: StopController
 ) -> None:

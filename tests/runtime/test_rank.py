@@ -162,6 +162,7 @@ def test_the_context_is_frozen() -> None:
         SINGLE_PROCESS.rank = 1  # type: ignore[misc]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("stray", "why"),
     [
@@ -207,6 +208,7 @@ def test_launch_context_is_from_env_when_valid() -> None:
 TINY_DEMO = ["--steps", "2", "--device", "cpu", "--threads", "1", "--batch-size", "2"]
 
 
+@pytest.mark.slow
 def test_runner_demo_runs_without_local_world_size(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = subprocess.run(
@@ -316,7 +318,8 @@ def test_run_services_of_a_non_primary_rank_start_nothing(tmp_path: Path) -> Non
     threads_before = set(threading.enumerate())
     with run_services(services_config(tmp_path, port), stop, rank=SECOND_OF_TWO) as services:
         assert not accepts(port)
-        assert set(threading.enumerate()) == threads_before  # no poller, no mirror worker
+        # no poller, no mirror worker (a thread of an earlier test may have ended meanwhile)
+        assert set(threading.enumerate()) - threads_before == set()
         assert services.mirror is None
         assert services.metrics is not None
     assert not (tmp_path / "bucket").exists()

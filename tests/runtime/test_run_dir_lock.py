@@ -91,6 +91,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
+@pytest.mark.slow
 def test_second_demo_exits_2_at_once_naming_the_first_which_ends_as_if_alone(
     tmp_path: Path, alone: Path
 ) -> None:
@@ -128,6 +129,7 @@ def test_second_demo_exits_2_at_once_naming_the_first_which_ends_as_if_alone(
     assert len({x["attempt"] for x in lines}) == 1
 
 
+@pytest.mark.slow
 def test_sigkilled_holder_frees_the_run_dir_at_once_and_the_next_start_resumes(
     tmp_path: Path, alone: Path
 ) -> None:
@@ -155,6 +157,7 @@ def test_sigkilled_holder_frees_the_run_dir_at_once_and_the_next_start_resumes(
     assert LossLog(run_dir).read() == LossLog(alone).read()
 
 
+@pytest.mark.slow
 def test_demo_on_a_supervised_run_dir_exits_2_naming_the_supervisor(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     supervisor = subprocess.Popen(
@@ -184,6 +187,7 @@ def test_demo_on_a_supervised_run_dir_exits_2_naming_the_supervisor(tmp_path: Pa
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_runner_run_of_runner_demo_works_under_the_supervisors_lock(
     tmp_path: Path, alone: Path
 ) -> None:
@@ -275,6 +279,7 @@ def test_one_process_shares_its_own_hold_and_releases_it_with_the_last(tmp_path:
     assert free.returncode == 0, free.stderr
 
 
+@pytest.mark.slow
 def test_the_lock_file_is_no_checkpoint_for_any_command(tmp_path: Path, alone: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(alone, run_dir)
@@ -297,6 +302,7 @@ def test_the_lock_file_is_no_checkpoint_for_any_command(tmp_path: Path, alone: P
     assert (run_dir / runlock.LOCK_FILE).is_file()  # and nothing removed it
 
 
+@pytest.mark.slow
 def test_an_orphaned_trainer_keeps_the_run_dir_locked_after_its_supervisor_is_sigkilled(
     tmp_path: Path,
 ) -> None:
@@ -338,6 +344,7 @@ def test_an_orphaned_trainer_keeps_the_run_dir_locked_after_its_supervisor_is_si
     assert third.returncode == 0, third.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
     [

@@ -168,6 +168,7 @@ def vm_rss() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
+@pytest.mark.slow
 def test_rss_stays_flat_over_100_async_saves(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "disk", "256m") as disk:  # page cache, not this RSS
         cfg = config(
@@ -206,6 +207,7 @@ _COMMITTED = re.compile(r"checkpoint step (\d+) committed in [0-9.]+s \(([^)]*)\
 _FINGERPRINT = re.compile(r"step 40/40 fingerprint ([0-9a-f]{64})")
 
 
+@pytest.mark.slow
 def test_async_and_sync_demo_runs_write_the_same_checkpoints(tmp_path: Path) -> None:
     runs = {}
     for mode in ("async", "sync"):  # the two at once: two cores

@@ -54,6 +54,7 @@ def records() -> Iterator[MonotonicRecords]:
     root.setLevel(old_level)
 
 
+@pytest.mark.slow
 def test_fake_failing_store_final_upload_starts_no_retry_after_the_deadline(
     tmp_path: Path, records: MonotonicRecords, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -107,6 +108,7 @@ def _train_to_the_target_with_a_stop_arriving(
     return arrived
 
 
+@pytest.mark.slow
 def test_fake_stalled_store_a_run_at_its_target_with_a_stop_pending_uploads_within_the_grace(
     tmp_path: Path,
 ) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.verify import verify_checkpoint, verify_dir
 from runner.storage import Storage, open_storage
@@ -31,6 +33,7 @@ def unblock(tmp_path: Path) -> Storage:
     return open_storage(f"file://{tmp_path / 'bucket'}")
 
 
+@pytest.mark.slow
 def test_demo_finishing_without_its_final_checkpoint_in_the_mirror_exits_1(
     tmp_path: Path,
 ) -> None:

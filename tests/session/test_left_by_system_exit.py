@@ -56,6 +56,7 @@ def _run(tmp_path: Path, mode: str, code: str) -> subprocess.CompletedProcess[st
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("code", ["none", "0"])
 def test_system_exit_after_a_stop_exits_1_naming_the_checkpoint_that_stands(
@@ -71,6 +72,7 @@ def test_system_exit_after_a_stop_exits_1_naming_the_checkpoint_that_stands(
     assert checkpoint_steps(tmp_path / "run") == [2, 4]
 
 
+@pytest.mark.slow
 def test_a_nonzero_system_exit_after_a_stop_keeps_its_code(tmp_path: Path) -> None:
     done = _run(tmp_path, "sync", "3")
     assert done.returncode == 3, done.stderr

@@ -65,6 +65,7 @@ def test_importing_a_package_alone_loads_only_itself(package: str) -> None:
     assert _loaded_by(package) == [package]  # no torch, no checkpoint code, no submodule
 
 
+@pytest.mark.slow
 def test_the_readme_imports_load_torch_only_when_a_name_is_used() -> None:
     probe = (
         "import sys; import runner.session, runner.state, runner.preemption; "

@@ -130,6 +130,7 @@ BREAKAGES: dict[str, Callable[[Path], None]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_demo_refuses_with_exit_3_and_writes_nothing(run_copy: Path, breakage: str) -> None:
     BREAKAGES[breakage](run_copy)
@@ -142,6 +143,7 @@ def test_demo_refuses_with_exit_3_and_writes_nothing(run_copy: Path, breakage: s
     assert not (run_copy / "aside").exists()
 
 
+@pytest.mark.slow
 def test_fresh_start_sets_unusable_checkpoints_aside_and_trains_as_a_new_run(
     run_copy: Path, finished: Path
 ) -> None:
@@ -158,6 +160,7 @@ def test_fresh_start_sets_unusable_checkpoints_aside_and_trains_as_a_new_run(
     assert [tree_hashes(p) for p in aside] == [corrupt[10], corrupt[20], corrupt[30]]
 
 
+@pytest.mark.slow
 def test_fresh_start_never_discards_a_usable_checkpoint(run_copy: Path) -> None:
     flip_byte(step_dir(run_copy, 30) / "state.pt")
     good = {s: tree_hashes(step_dir(run_copy, s)) for s in (10, 20)}
@@ -171,6 +174,7 @@ def test_fresh_start_never_discards_a_usable_checkpoint(run_copy: Path) -> None:
     assert aside.name.startswith("step_000030-") and aside.name.endswith("-corrupt")
 
 
+@pytest.mark.slow
 def test_runner_run_refuses_too(run_copy: Path) -> None:
     newer_schema(run_copy)
     before = tree_hashes(run_copy)
@@ -221,6 +225,7 @@ def s3_env_for(mirror: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPat
     return open_storage(mirror[0])
 
 
+@pytest.mark.slow
 def test_mirror_holding_only_corrupt_checkpoints_refuses_a_fresh_node(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -238,6 +243,7 @@ def test_mirror_holding_only_corrupt_checkpoints_refuses_a_fresh_node(
     assert list_checkpoints(FileStorage(fresh)) == []
 
 
+@pytest.mark.slow
 def test_corrupt_remote_step_is_healed_by_a_resumed_run(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -259,6 +265,7 @@ def test_corrupt_remote_step_is_healed_by_a_resumed_run(
     assert any(i.key.startswith("aside/step_000020-") for i in storage.list("aside/"))
 
 
+@pytest.mark.slow
 def test_corrupt_remote_step_is_healed_by_push(
     finished: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -271,6 +278,7 @@ def test_corrupt_remote_step_is_healed_by_push(
     assert verify_checkpoint(storage, 20).fingerprint == manifest(finished, 20)["fingerprint"]
 
 
+@pytest.mark.slow
 def test_corrupt_remote_step_is_healed_by_repair(
     finished: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -287,6 +295,7 @@ def test_corrupt_remote_step_is_healed_by_repair(
     assert {k: v for k, v in bucket_hashes(storage).items() if "step_000010" in k} == good_10
 
 
+@pytest.mark.slow
 def test_repair_without_a_source_sets_the_corrupt_step_aside_and_exits_3(
     finished: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -304,6 +313,7 @@ def test_repair_without_a_source_sets_the_corrupt_step_aside_and_exits_3(
     verify_checkpoint(storage, 20)
 
 
+@pytest.mark.slow
 def test_a_verified_remote_step_with_other_contents_is_never_replaced(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -323,6 +333,7 @@ def test_a_verified_remote_step_with_other_contents_is_never_replaced(
 # -- retention ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_retention_never_counts_an_unusable_checkpoint_among_the_k_kept(
     finished: Path, tmp_path: Path
 ) -> None:
@@ -345,6 +356,7 @@ def test_retention_never_counts_an_unusable_checkpoint_among_the_k_kept(
     assert tree_hashes(run_dir / "checkpoints") == before
 
 
+@pytest.mark.slow
 def test_repair_of_a_run_dir_restores_from_a_mirror_and_keeps_the_corrupt_copy_aside(
     finished: Path, run_copy: Path, tmp_path: Path
 ) -> None:
@@ -387,6 +399,7 @@ def test_train_session_refuses_in_process_and_writes_nothing(run_copy: Path) -> 
         TrainSession(RunConfig(run_dir=run_copy, steps=40), state=state).__enter__()
 
 
+@pytest.mark.slow
 def test_fresh_start_with_a_mirror_decommits_unusable_remote_checkpoints_keeping_them(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -413,6 +426,7 @@ def test_fresh_start_with_a_mirror_decommits_unusable_remote_checkpoints_keeping
     assert all(after.get(k) == v for k, v in payload.items())
 
 
+@pytest.mark.slow
 def test_prune_of_a_mirror_hashes_what_it_counts(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -433,6 +447,7 @@ def test_prune_of_a_mirror_hashes_what_it_counts(
     assert list_checkpoints(storage) == [10, 20, 40, 50]
 
 
+@pytest.mark.slow
 def test_a_payload_this_torch_cannot_load_is_never_decommitted_by_a_resumed_run(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -455,6 +470,7 @@ def test_a_payload_this_torch_cannot_load_is_never_decommitted_by_a_resumed_run(
     assert list(storage.list("aside/")) == []
 
 
+@pytest.mark.slow
 def test_repair_from_a_file_mirror_uploads_a_copy_that_verifies(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:
@@ -473,6 +489,7 @@ def test_repair_from_a_file_mirror_uploads_a_copy_that_verifies(
     assert tree_hashes(step_dir(fresh, 20)) == tree_hashes(step_dir(finished, 20))
 
 
+@pytest.mark.slow
 def test_a_forged_v1_hint_cannot_switch_off_the_step_check(run_copy: Path) -> None:
     forged = step_dir(run_copy, 999_999_999)
     shutil.copytree(step_dir(run_copy, 30), forged)
@@ -485,6 +502,7 @@ def test_a_forged_v1_hint_cannot_switch_off_the_step_check(run_copy: Path) -> No
     assert "(step: manifest 999999999, payload 30" in done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_a_local_resume_heals_a_truncated_mirror_copy_of_its_step(
     finished: Path, tmp_path: Path, mirror: tuple[str, dict[str, str]], s3_env_for: Storage
 ) -> None:

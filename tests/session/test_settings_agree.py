@@ -58,6 +58,7 @@ def _worker_session(case: str, base: str) -> None:
         print(json.dumps({"error": None}))
 
 
+@pytest.mark.slow
 def test_ranks_of_one_node_given_different_settings_all_refuse(
     gloo_world: Callable[..., GlooWorld], tmp_path: Path
 ) -> None:
@@ -81,6 +82,7 @@ def test_ranks_of_one_node_given_different_settings_all_refuse(
         assert not (tmp_path / f"run{r}" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_ranks_on_different_nodes_may_have_their_own_run_dirs(
     gloo_world: Callable[..., GlooWorld], tmp_path: Path
 ) -> None:

@@ -38,6 +38,7 @@ def trained(steps: int = 3) -> DemoComponents:
     return components
 
 
+@pytest.mark.slow
 def test_name_keyed_state_fingerprints_as_the_live_model_and_optimizer() -> None:
     components = trained()
     named = tensor_state(components.model, components.optimizer)
@@ -133,6 +134,7 @@ def sharded_worker() -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_sharded_full_fingerprint_equals_the_plain_one(
     gloo_world: Callable[..., GlooWorld],
 ) -> None:

@@ -30,6 +30,7 @@ def _build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return scope["model"], scope["optimizer"]
 
 
+@pytest.mark.slow
 def test_same_state_same_fingerprint_in_another_process() -> None:
     model, optimizer = _build()
     here = fingerprint(model, optimizer)

@@ -92,6 +92,7 @@ def _resume_in_subprocess(checkpoint: Path) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("stop_at", "epoch", "batch_in_epoch"),
     [(30, 4, 2), (28, 4, 0)],

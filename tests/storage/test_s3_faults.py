@@ -56,6 +56,7 @@ def stores(
     return faulty, direct
 
 
+@pytest.mark.slow
 def test_fake_faults_mid_upload_still_land_a_complete_checkpoint(
     s3_env: SeaweedS3, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -87,6 +88,7 @@ def test_fake_faults_mid_upload_still_land_a_complete_checkpoint(
     assert len(attempts - {"manifest.json"}) == 1
 
 
+@pytest.mark.slow
 def test_an_upload_that_keeps_failing_reports_failure_and_leaves_no_manifest(
     s3_env: SeaweedS3, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -101,6 +103,7 @@ def test_an_upload_that_keeps_failing_reports_failure_and_leaves_no_manifest(
     assert direct.list_incomplete_uploads() == ()  # every multipart upload aborted
 
 
+@pytest.mark.slow
 def test_final_upload_against_a_store_answering_503_reports_not_landed(
     s3_env: SeaweedS3,
     fault_proxy: FaultProxy,
@@ -129,6 +132,7 @@ def test_final_upload_against_a_store_answering_503_reports_not_landed(
         direct.head(manifest_key(300))
 
 
+@pytest.mark.slow
 def test_resume_through_cut_downloads_still_verifies(
     s3_env: SeaweedS3, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

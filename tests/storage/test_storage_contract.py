@@ -36,6 +36,7 @@ def write_random(path: Path, size: int) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [0, 1000, 11 * MiB + 7])
 def test_put_get_file_round_trip(storage: Storage, tmp_path: Path, size: int) -> None:
     src = tmp_path / "src.bin"
@@ -53,6 +54,7 @@ def test_put_get_file_round_trip(storage: Storage, tmp_path: Path, size: int) ->
     assert sorted(p.name for p in dst_dir.iterdir()) == ["state.pt"]  # no temp left over
 
 
+@pytest.mark.slow
 def test_put_file_refuses_a_file_that_does_not_match_its_sha(
     storage: Storage, tmp_path: Path
 ) -> None:
@@ -64,6 +66,7 @@ def test_put_file_refuses_a_file_that_does_not_match_its_sha(
         storage.head("a/state.pt")
 
 
+@pytest.mark.slow
 def test_bytes_list_head_delete(storage: Storage) -> None:
     storage.put_bytes("checkpoints/step_000002/manifest.json", b"{}")
     storage.put_bytes("checkpoints/step_000002/w/state.pt", b"x" * 10)
@@ -102,6 +105,7 @@ def test_missing_objects_are_not_found(storage: Storage, tmp_path: Path) -> None
     assert list(storage.list("nope/")) == []
 
 
+@pytest.mark.slow
 def test_create_only_put_keeps_the_first_writer(storage: Storage) -> None:
     storage.put_bytes("checkpoints/step_000003/manifest.json", b"first", if_absent=True)
     with pytest.raises(StorageConflictError, match="already exists"):
@@ -111,6 +115,7 @@ def test_create_only_put_keeps_the_first_writer(storage: Storage) -> None:
     assert storage.get_bytes("checkpoints/step_000003/manifest.json") == b"third"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/./b", ""])
 def test_keys_cannot_escape_the_location(storage: Storage, key: str) -> None:
     with pytest.raises(StorageError, match="invalid key"):
@@ -120,6 +125,7 @@ def test_keys_cannot_escape_the_location(storage: Storage, key: str) -> None:
 # -- S3 only: credentials, missing bucket, checksums, multipart hygiene -------------------
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_s3_wrong_secret_is_refused_at_once_with_a_clear_error(
     s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch
@@ -138,6 +144,7 @@ def test_s3_wrong_secret_is_refused_at_once_with_a_clear_error(
     assert "not-the-secret-xyz" not in message and s3_env.secret_key not in message
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_s3_unknown_access_key_is_refused(
     s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch
@@ -157,6 +164,7 @@ def test_s3_missing_bucket_is_permanent_and_named(s3_env: SeaweedS3) -> None:
     assert "does not exist" in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_s3_server_side_sha256_is_checked_and_no_upload_is_left_open(
     s3_env: SeaweedS3, tmp_path: Path
@@ -184,6 +192,7 @@ def test_file_storage_lists_no_temp_files(tmp_path: Path) -> None:
     assert [o.key for o in store.list()] == ["checkpoints/step_000001/manifest.json"]
 
 
+@pytest.mark.slow
 def test_s3_tests_fail_rather_than_skip_without_the_server(tmp_path: Path) -> None:
     """Without `weed` on PATH the S3 tests must fail, so CI cannot pass them silently."""
     import subprocess

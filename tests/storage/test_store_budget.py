@@ -68,6 +68,7 @@ def the_error_line(result: subprocess.CompletedProcess[str]) -> str:
 # -- CLI give-up times ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fake_silent_store_ls_gives_up_within_the_store_timeout(silent_store: FakeStore) -> None:
     result, took = timed_runner(
         "ls", "s3://bucket/run", "--store-timeout", "6", env=env_for(silent_store.endpoint)
@@ -81,6 +82,7 @@ def test_fake_silent_store_ls_gives_up_within_the_store_timeout(silent_store: Fa
     assert silent_store.requests >= 1
 
 
+@pytest.mark.slow
 def test_fake_slow_500_store_ls_gives_up_within_the_store_timeout(
     slow_500_store: FakeStore,
 ) -> None:
@@ -96,6 +98,7 @@ def test_fake_slow_500_store_ls_gives_up_within_the_store_timeout(
     assert slow_500_store.requests >= 2
 
 
+@pytest.mark.slow
 def test_fake_store_that_lists_but_fails_every_read_costs_ls_one_timeout_not_one_each() -> None:
     """The listing names 5 checkpoints and every manifest read is answered 500 after 1 s: the
     first read gives up after the store timeout, the other 4 are not tried."""
@@ -114,6 +117,7 @@ def test_fake_store_that_lists_but_fails_every_read_costs_ls_one_timeout_not_one
     assert output.count("not tried, the store already failed this command") == 4, output
 
 
+@pytest.mark.slow
 def test_fake_store_failing_every_read_fast_costs_ls_one_retry_cycle() -> None:
     """Every read is answered 500 at once, so the first read uses up its tries long before
     the (default, 60 s) store timeout: that too fails the command, and the other 7 reads are
@@ -134,6 +138,7 @@ def test_fake_store_failing_every_read_fast_costs_ls_one_retry_cycle() -> None:
     assert took <= 60 + START_MARGIN_S, (took, output)  # default store timeout: 60 s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "command",
     [
@@ -170,6 +175,7 @@ def test_one_request_fits_in_every_store_timeout(seconds: float) -> None:
     assert settings.request_attempts == (3 if seconds >= 9 else 2 if seconds >= 5 else 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seconds", [1.0, 3.0, 6.0])
 def test_fake_silent_store_small_store_timeout_holds(
     seconds: float, silent_store: FakeStore, monkeypatch: pytest.MonkeyPatch
@@ -320,6 +326,7 @@ class ThrottledRelay:
                 s.shutdown(socket.SHUT_RDWR)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_transfer_longer_than_its_read_timeout_completes_on_a_slow_link(
     s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path

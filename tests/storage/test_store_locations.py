@@ -72,6 +72,7 @@ def test_demo_refuses_a_symlink_to_its_run_dir_as_mirror(tmp_path: Path) -> None
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_demo_mirrors_to_a_relative_path_and_ls_reads_it_as_a_path(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNNER_")}
 

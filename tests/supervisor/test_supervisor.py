@@ -92,6 +92,7 @@ def test_signals_forwarded_sigusr1_continues_sigterm_exits_75_with_final_adopted
     assert s.out.count("stopping at step") == 1
 
 
+@pytest.mark.slow
 def test_crash_restarts_and_resume_hands_back_newest_bin(
     tmp_path: Path, seed_trainer: Path, supervised: list[Supervised]
 ) -> None:
@@ -133,6 +134,7 @@ def test_crash_restarts_and_resume_hands_back_newest_bin(
     assert list_checkpoints(FileStorage(crashed_dir)) == [10, 12, 14]  # --keep 3
 
 
+@pytest.mark.slow
 def test_crash_loop_gives_up_after_limit_showing_last_output(
     tmp_path: Path, seed_trainer: Path, supervised: list[Supervised]
 ) -> None:
@@ -348,6 +350,7 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_handed_back(
     _assert_adopted(run_dir, 10)  # redone and committed again over the corrupt one
 
 
+@pytest.mark.slow
 def test_misnamed_seed_bin_is_ignored_with_one_warning(
     tmp_path: Path, supervised: list[Supervised]
 ) -> None:
@@ -386,6 +389,7 @@ def _runner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_run_has_its_own_default_run_dir_not_the_demos(tmp_path: Path) -> None:
     """After `runner demo` with its defaults, `runner run -- CMD` with its defaults starts
     fresh: it must not hand a trainer the demo's torch checkpoint."""
@@ -400,6 +404,7 @@ def test_run_has_its_own_default_run_dir_not_the_demos(tmp_path: Path) -> None:
     assert f"env {tmp_path / 'runs' / 'run'} '' ''" in run.stdout
 
 
+@pytest.mark.slow
 def test_resume_format_is_passed_and_a_seed_trainer_refuses_a_torch_checkpoint(
     tmp_path: Path, seed_trainer: Path, supervised: list[Supervised]
 ) -> None:

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.verify import verify_checkpoint
 from runner.storage.file import FileStorage
@@ -61,6 +63,7 @@ def _assert_committed(run_dir: Path, step: int, sha256: str) -> None:
     assert _sha(_committed_bin(run_dir, step)) == sha256
 
 
+@pytest.mark.slow
 def test_preallocated_file_is_adopted_only_once_filled_and_handed_back_with_its_real_bytes(
     tmp_path: Path,
 ) -> None:
@@ -79,6 +82,7 @@ def test_preallocated_file_is_adopted_only_once_filled_and_handed_back_with_its_
     assert f"resume {_committed_bin(run_dir, 10)} sha256 {real}" in out
 
 
+@pytest.mark.slow
 def test_file_renamed_into_place_but_still_open_for_writing_waits_for_its_writer(
     tmp_path: Path,
 ) -> None:
@@ -90,6 +94,7 @@ def test_file_renamed_into_place_but_still_open_for_writing_waits_for_its_writer
     _assert_committed(run_dir, 10, _written(out, 10))
 
 
+@pytest.mark.slow
 def test_complete_file_written_in_place_with_a_pause_is_adopted_after_the_trainer_exits(
     tmp_path: Path,
 ) -> None:
@@ -103,6 +108,7 @@ def test_complete_file_written_in_place_with_a_pause_is_adopted_after_the_traine
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000010"]
 
 
+@pytest.mark.slow
 def test_bad_last_checkpoint_is_kept_with_its_bytes_and_the_run_exits_3(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     code, out = _run(run_dir, "bad", "7")
@@ -172,6 +178,7 @@ def test_renamed_file_is_adopted_and_mirrored_while_the_trainer_runs(tmp_path: P
     assert verify_checkpoint(FileStorage(mirror), 3).files[0].sha256 == written
 
 
+@pytest.mark.slow
 def test_file_of_a_step_that_already_holds_another_good_checkpoint_is_kept_aside_exit_3(
     tmp_path: Path,
 ) -> None:

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures.demo_process import checkpoint_steps, demo_cmd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +40,7 @@ def _demo(run_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow
 def test_demo_with_the_supervisors_environment_and_no_resume_point_does_not_relog_refusals(
     tmp_path: Path,
 ) -> None:

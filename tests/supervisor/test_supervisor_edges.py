@@ -65,6 +65,7 @@ def _run(runs: list[Supervised], run_dir: Path, *args: str) -> Supervised:
     return s
 
 
+@pytest.mark.slow
 def test_trainer_that_ignores_sigterm_and_commits_nothing_exits_1_naming_the_standing_checkpoint(
     tmp_path: Path, started: list[Supervised]
 ) -> None:
@@ -121,6 +122,7 @@ def test_child_exit_2_or_3_is_not_restarted_and_passed_on(
     assert "--- attempt 1 (pid " in s.err and ": exit code " + str(code) in s.err
 
 
+@pytest.mark.slow
 def test_setsid_double_forked_helper_ignoring_sigterm_is_gone_after_exit(
     tmp_path: Path, started: list[Supervised], pid_dir: Path
 ) -> None:
@@ -135,6 +137,7 @@ def test_setsid_double_forked_helper_ignoring_sigterm_is_gone_after_exit(
     assert f"terminated pids {helper}" in s.err
 
 
+@pytest.mark.slow
 def test_detached_helper_holding_the_output_pipes_is_swept_and_named(
     tmp_path: Path, started: list[Supervised], pid_dir: Path
 ) -> None:
@@ -145,6 +148,7 @@ def test_detached_helper_holding_the_output_pipes_is_swept_and_named(
     assert f"terminated pids {helper}" in s.err
 
 
+@pytest.mark.slow
 def test_helper_in_the_trainers_group_ignoring_sigterm_is_gone_after_the_stop(
     tmp_path: Path, started: list[Supervised], pid_dir: Path
 ) -> None:
@@ -160,6 +164,7 @@ def test_helper_in_the_trainers_group_ignoring_sigterm_is_gone_after_the_stop(
     assert f"terminated pids {helper}" in s.err
 
 
+@pytest.mark.slow
 def test_restart_waits_until_the_crashed_attempts_helpers_are_gone(
     tmp_path: Path, started: list[Supervised], pid_dir: Path
 ) -> None:
@@ -173,6 +178,7 @@ def test_restart_waits_until_the_crashed_attempts_helpers_are_gone(
     assert not _alive(helper)
 
 
+@pytest.mark.slow
 def test_give_up_report_has_one_header_per_attempt_and_lines_in_order(
     tmp_path: Path, started: list[Supervised]
 ) -> None:
@@ -210,6 +216,7 @@ def test_readme_lists_exactly_the_variables_the_child_gets(tmp_path: Path) -> No
     assert not got & removed
 
 
+@pytest.mark.slow
 def test_runner_child_committing_its_own_checkpoint_dir_on_stop_is_75(
     tmp_path: Path, started: list[Supervised]
 ) -> None:
@@ -233,6 +240,7 @@ def test_runner_child_committing_its_own_checkpoint_dir_on_stop_is_75(
     assert f"final checkpoint: step {step}" in s.err, s.err
 
 
+@pytest.mark.slow
 def test_sweep_spares_processes_that_were_already_the_supervisors_children(
     tmp_path: Path, pid_dir: Path
 ) -> None:
@@ -285,6 +293,7 @@ def _zombie_children(pid: int) -> list[int]:
     return zombies
 
 
+@pytest.mark.slow
 def test_orphans_of_a_running_trainer_are_reaped_while_it_runs(
     tmp_path: Path, started: list[Supervised]
 ) -> None:
@@ -350,6 +359,7 @@ def test_embedded_supervisor_spares_a_child_its_own_process_starts_during_the_at
             child.wait()
 
 
+@pytest.mark.slow
 def test_stop_with_a_stubborn_trainer_and_a_helper_on_its_pipes_ends_within_the_grace(
     tmp_path: Path, started: list[Supervised], pid_dir: Path
 ) -> None:

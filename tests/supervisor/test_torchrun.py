@@ -124,6 +124,7 @@ def test_torchruns_one_is_its_workers_code_only_when_every_failed_worker_it_ran_
     assert code({11, 12}, [a, b], torchrun_code=0) == 0
 
 
+@pytest.mark.slow
 def test_sigusr1_reaches_every_worker_and_torchrun_survives_it(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -152,6 +153,7 @@ def _wait_started(s: Supervised, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_shutdown_timeout_the_user_set_is_kept(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -160,6 +162,7 @@ def test_a_shutdown_timeout_the_user_set_is_kept(
     assert f"{SHUTDOWN_TIMEOUT_ENV}=7" in (out / "env.0.1").read_text()
 
 
+@pytest.mark.slow
 def test_workers_that_all_exit_75_end_the_run_with_75_not_a_restart(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -172,6 +175,7 @@ def test_workers_that_all_exit_75_end_the_run_with_75_not_a_restart(
     assert s.err.count("started trainer pid") == 1
 
 
+@pytest.mark.slow
 def test_a_worker_crash_restarts_torchrun(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -183,6 +187,7 @@ def test_a_worker_crash_restarts_torchrun(
     assert sorted(p.name for p in out.glob("pid.*")) == ["pid.0.1", "pid.0.2", "pid.1.1", "pid.1.2"]
 
 
+@pytest.mark.slow
 def test_workers_that_ignore_the_stop_are_killed_at_the_deadline(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -209,6 +214,7 @@ def test_workers_that_ignore_the_stop_are_killed_at_the_deadline(
     assert not [pid for pid in pids if _alive(pid)]
 
 
+@pytest.mark.slow
 def test_sigint_reaches_every_worker_as_sigint_through_torchrun(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -247,6 +253,7 @@ def _stop_after_resume(
     return s
 
 
+@pytest.mark.slow
 def test_ranks_stopped_while_resuming_exit_75_though_torchrun_exits_1(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -257,6 +264,7 @@ def test_ranks_stopped_while_resuming_exit_75_though_torchrun_exits_1(
     assert "final (already committed before the stop) checkpoint: step 2" in s.err
 
 
+@pytest.mark.slow
 def test_a_step_logged_past_the_checkpoint_makes_the_stop_exit_1(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:
@@ -266,6 +274,7 @@ def test_a_step_logged_past_the_checkpoint_makes_the_stop_exit_1(
     assert "steps up to 3 it logged after it are lost" in s.err
 
 
+@pytest.mark.slow
 def test_without_a_loss_log_torchruns_1_after_a_stop_is_not_taken_as_clean(
     supervised_launches: list[Supervised], tmp_path: Path
 ) -> None:

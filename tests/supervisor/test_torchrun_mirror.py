@@ -9,11 +9,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from runner.checkpoint.listing import list_checkpoints
 from runner.storage.file import FileStorage
 from tests.fixtures.cli_process import runner
 
 
+@pytest.mark.slow
 def test_a_runner_childs_own_checkpoints_are_mirrored_before_exit_0(tmp_path: Path) -> None:
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
     done = runner(
