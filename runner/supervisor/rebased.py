@@ -153,7 +153,8 @@ class RebaseFollower:
         return (
             f"the re-based checkpoint step {base.step} did not reach {self.storage.uri} (a "
             "newer one did, and the older checkpoints above it were de-committed); "
-            f"`runner push {base.path.parent.parent} {self.storage.uri}` uploads it"
+            f"`runner push {base.path.parent.parent} {self.storage.uri} --step {base.step}` "
+            "uploads it"
         )
 
     def in_mirror(self, ckpt: CommittedCheckpoint) -> bool:
