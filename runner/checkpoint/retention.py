@@ -73,11 +73,11 @@ def prune(
     protected = aside  # read once, at the first deletion
     for step in reversed(steps):
         if counted < keep:
-            if step in good or _usable(storage, step, sizes_only=remote_sizes_only):
+            if step in good or usable(storage, step, sizes_only=remote_sizes_only):
                 good.add(step)
                 counted += 1
             continue
-        if step in protect or _foreign(storage, step):
+        if step in protect or foreign(storage, step):
             continue
         if protected is None:
             protected = protected_keys(storage)
@@ -89,7 +89,9 @@ def prune(
     return deleted
 
 
-def _usable(storage: Storage, step: int, *, sizes_only: bool) -> bool:
+def usable(storage: Storage, step: int, *, sizes_only: bool) -> bool:
+    """Whether the step verifies (sizes only for a remote one when `sizes_only`); a warning
+    names one that does not."""
     try:
         if isinstance(storage, FileStorage):
             verify_dir(storage.root / checkpoint_key(step))
@@ -108,7 +110,7 @@ def _usable(storage: Storage, step: int, *, sizes_only: bool) -> bool:
     return True
 
 
-def _foreign(storage: Storage, step: int) -> bool:
+def foreign(storage: Storage, step: int) -> bool:
     """True when the step's manifest is of a schema this runner cannot read or, in a run dir,
     its payload is one this runner cannot load (read mapped: no hashing, no full read)."""
     try:

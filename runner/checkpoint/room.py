@@ -19,7 +19,7 @@ from pathlib import Path
 from runner.checkpoint.aside import protected_keys
 from runner.checkpoint.layout import checkpoint_key
 from runner.checkpoint.listing import list_checkpoints
-from runner.checkpoint.retention import _foreign, _usable, delete_checkpoint
+from runner.checkpoint.retention import delete_checkpoint, foreign, usable
 from runner.storage.file import FileStorage
 
 __all__ = ["Room", "make_room", "out_of_space"]
@@ -67,7 +67,7 @@ def make_room(
     for step in steps:
         if step >= newest:
             return None
-        if step in protect or _foreign(storage, step):
+        if step in protect or foreign(storage, step):
             continue
         if any(info.key in protected for info in storage.list(f"{checkpoint_key(step)}/")):
             continue  # an aside record names its objects: never deleted, so nothing freed
@@ -81,7 +81,7 @@ def make_room(
 
 
 def _checked(storage: FileStorage, step: int, good: set[int]) -> bool:
-    if not _usable(storage, step, sizes_only=False):
+    if not usable(storage, step, sizes_only=False):
         return False
     good.add(step)
     return True
