@@ -7,7 +7,8 @@ bucket alone then resumes the final state (the run dir deleted).
 The stop during the rescaled run goes through SeaweedFS behind the fault proxy (a fake only
 for the fault): the re-based checkpoint's manifest is refused (503) until its background upload
 gave up, and the stop lands right after the 2-rank run committed a step above it, so the stop
-always races the re-base, whatever the machine's speed."""
+always races the re-base, whatever the machine's speed. When it never lands (every manifest
+refused), the stop exits 1, not 75, and the next attempt re-bases again."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def _start(
     steps: int,
     env: dict[str, str] | None = None,
     keep: int = 3,
+    grace: float = 60,
 ) -> Supervised:
     launcher = [sys.executable, "-m", "runner"]
     if ranks > 1:
@@ -57,7 +59,7 @@ def _start(
         ]  # fmt: skip
     uri = mirror if isinstance(mirror, str) else mirror.as_uri()
     args = [
-        "--run-dir", str(run_dir), "--mirror", uri, "--grace-seconds", "60", "--",
+        "--run-dir", str(run_dir), "--mirror", uri, "--grace-seconds", str(grace), "--",
         *launcher, "demo", "--run-dir", str(run_dir), "--steps", str(steps),
         "--ckpt-every", "5", "--batch-size", str(BATCH), "--device", "cpu", "--threads", "1",
         "--no-progress", "--keep", str(keep),
@@ -254,3 +256,63 @@ def test_a_stop_during_the_rescaled_run_exits_75_with_its_final_checkpoint_the_b
     assert LOSS_BACKFILL_DEFECT.format(stopped=stopped) not in resized.err, resized.err
     assert code == 75, resized.err
     assert f"final checkpoint step {final} is in the mirror" in resized.err, resized.err
+
+
+def test_a_stop_whose_rebased_step_never_reaches_the_bucket_exits_1_and_the_next_attempt_rebases(
+    supervised_launches: list[Supervised],
+    tmp_path: Path,
+    s3_server: SeaweedS3,
+    fault_proxy: FaultProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, but the bucket refuses every manifest (503) for the whole rescaled attempt:
+    the re-based checkpoint never lands, nor anything after it, so the stop exits 1, not 75,
+    and the bucket keeps the older lineage's newest (the rest of it from the re-based step up
+    kept aside). The same command again, the bucket healthy, resumes that one, re-bases again
+    and ends with only the new lineage above the re-based step."""
+    location = f"s3://{s3_server.create_bucket()}/run"
+    through_proxy = {**s3_server.env(), "AWS_ENDPOINT_URL_S3": fault_proxy.endpoint}
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    remote = S3Storage.from_uri(location)
+    run_dir = tmp_path / "run"
+    start = functools.partial(
+        _start, supervised_launches, run_dir, location, steps=200, env=through_proxy, keep=20
+    )
+    first = start(ranks=1)
+    manifest = run_dir / "checkpoints" / "step_000040" / "manifest.json"
+    _wait("step 40", first, manifest.exists)
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 75, first.err
+    stopped = max(_bucket(remote))
+    rescaled = stopped // 2
+
+    refusing = threading.Event()
+    refusing.set()
+    fault_proxy.plan = lambda r: (
+        SLOW_DOWN if refusing.is_set() and r.operation == "PutManifest" else None
+    )
+    refused = start(ranks=2, grace=15)
+    _wait_2rank_past(refused, run_dir, rescaled)
+    refused.proc.send_signal(signal.SIGTERM)
+    assert refused.wait(240) == 1, refused.err
+    said = f"bucket {_bucket(remote)}:\n{refused.err}"
+    assert f"exiting 1, not 75: the re-based checkpoint step {rescaled} did not reach" in said
+    # the older lineage's newest holds the state; from the re-based step up nothing else
+    kept = {step: ckpt for step, ckpt in _bucket(remote).items() if step >= rescaled}
+    assert kept == {stopped: (stopped * BATCH, 1)}, said
+    assert all(world == 1 for _, world in _bucket(remote).values()), said
+
+    refusing.clear()
+    again = start(ranks=2)
+    assert again.wait(300) == 0, again.err
+    assert f"resuming from step {stopped}, downloaded from {location}" in again.err, again.err
+    assert f"re-basing the run at step {rescaled} before training" in again.err, again.err
+    bucket = _bucket(remote)
+    said = f"bucket {bucket}:\n{again.err}"
+    assert max(bucket) == 100, said  # 800 samples at 8 a step
+    for step, (samples, world) in bucket.items():
+        assert step <= rescaled or world == 2, said
+        if step > rescaled:
+            assert samples == stopped * BATCH + (step - rescaled) * 2 * BATCH, said
+    _verify(location)
