@@ -152,6 +152,14 @@ def test_resumed_at_2_ranks_the_bucket_follows_the_rebase_and_resumes_alone(
     assert _bucket(mirror) == bucket
 
 
+# Where the 1-rank run is stopped (N) before the resize: the re-based step is N // 2, and the
+# rescaled run, stopped a checkpoint past it, must stay below N. Its slack, N // 2 steps, is
+# far more than the 2-rank demo trains between that checkpoint and its stop, even on an idle
+# machine (up to about 25 steps seen at 30 steps/s: the supervisor's scan, the upload start,
+# the stop agreed at a step boundary).
+FIRST_STOP = 80
+STEPS = 400  # the run's length at 1 rank: 200 steps at 2, far past any stop
+
 # A trainer defect (runner/runtime/lifecycle.py backfill_loss_log, not the supervisor's): a
 # resume rescaled down restores the checkpoint's 1-rank loss history past the new step
 # (loss.jsonl logs steps 11..N after step 10), so a final checkpoint below N looks as if
@@ -170,8 +178,8 @@ def test_a_stop_during_the_rescaled_run_exits_75_with_its_final_checkpoint_the_b
     fault_proxy: FaultProxy,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A 1-rank run stopped at N (>= 40), resumed at 2 ranks (step N // 2) and stopped again
-    after a 2-rank checkpoint numbered above N // 2 (`past`: above N): 75, the final
+    """A 1-rank run stopped at N (>= FIRST_STOP), resumed at 2 ranks (step N // 2) and stopped
+    again after a 2-rank checkpoint numbered above N // 2 (`past`: above N): 75, the final
     checkpoint is the bucket's newest by step, the re-based checkpoint N // 2 is committed
     (below N), the 1-rank steps from it up are de-committed (kept aside), and every
     checkpoint numbered above N // 2 is a 2-rank one.
@@ -186,14 +194,12 @@ def test_a_stop_during_the_rescaled_run_exits_75_with_its_final_checkpoint_the_b
         monkeypatch.setenv(name, value)
     remote = S3Storage.from_uri(location)
     run_dir = tmp_path / "run"
-    # the trainer keeps every checkpoint of the stopped run's length, the re-based one too
+    # the trainer's own retention keeps the re-based checkpoint however far the bucket lags
     start = functools.partial(
-        _start, supervised_launches, run_dir, location, steps=200, env=through_proxy, keep=20
+        _start, supervised_launches, run_dir, location, steps=STEPS, env=through_proxy, keep=40
     )
     first = start(ranks=1)
-    # N // 2 steps between the re-based step and N: the rescaled run, stopped a checkpoint
-    # (5 steps) past the re-based one, stops far below N
-    manifest = run_dir / "checkpoints" / "step_000040" / "manifest.json"
+    manifest = run_dir / "checkpoints" / step_dir_name(FIRST_STOP) / "manifest.json"
     end = time.monotonic() + 180
     while not manifest.exists():
         assert first.proc.poll() is None and time.monotonic() < end, first.err
@@ -201,7 +207,7 @@ def test_a_stop_during_the_rescaled_run_exits_75_with_its_final_checkpoint_the_b
     first.proc.send_signal(signal.SIGTERM)
     assert first.wait(120) == 75, first.err
     stopped = max(_bucket(remote))
-    assert stopped >= 40 and _bucket(remote)[stopped] == (stopped * BATCH, 1)
+    assert stopped >= FIRST_STOP and _bucket(remote)[stopped] == (stopped * BATCH, 1)
     rescaled = stopped // 2
     old_lineage = set(_bucket(remote))
 
@@ -277,11 +283,11 @@ def test_a_stop_whose_rebased_step_never_reaches_the_bucket_exits_1_and_the_next
     remote = S3Storage.from_uri(location)
     run_dir = tmp_path / "run"
     start = functools.partial(
-        _start, supervised_launches, run_dir, location, steps=200, env=through_proxy, keep=20
+        _start, supervised_launches, run_dir, location, steps=STEPS, env=through_proxy, keep=40
     )
     first = start(ranks=1)
-    manifest = run_dir / "checkpoints" / "step_000040" / "manifest.json"
-    _wait("step 40", first, manifest.exists)
+    manifest = run_dir / "checkpoints" / step_dir_name(FIRST_STOP) / "manifest.json"
+    _wait(f"step {FIRST_STOP}", first, manifest.exists)
     first.proc.send_signal(signal.SIGTERM)
     assert first.wait(120) == 75, first.err
     stopped = max(_bucket(remote))
@@ -310,7 +316,8 @@ def test_a_stop_whose_rebased_step_never_reaches_the_bucket_exits_1_and_the_next
     assert f"re-basing the run at step {rescaled} before training" in again.err, again.err
     bucket = _bucket(remote)
     said = f"bucket {bucket}:\n{again.err}"
-    assert max(bucket) == 100, said  # 800 samples at 8 a step
+    # the run's length in samples, at 2 * BATCH a step from the re-based one (rounded up)
+    assert max(bucket) == rescaled - (stopped * BATCH - STEPS * BATCH) // (2 * BATCH), said
     for step, (samples, world) in bucket.items():
         assert step <= rescaled or world == 2, said
         if step > rescaled:
