@@ -191,7 +191,7 @@ class TrainSession:
             self.run_dir,
             attempt=config.writer_id,
             on_failure=self._loss_log_failed,
-            writes=rank.acts_as_primary,  # issue 12: the primary logs the (all-reduced) loss
+            writes=rank.acts_as_primary,  # loss.jsonl has one writer: the primary
         )
         self.checkpointer = Checkpointer(
             self.writer,
@@ -588,7 +588,8 @@ class TrainSession:
 
     def _policy(self, *, start_step: int) -> SavePolicy:
         # The seconds cadence is decided on the primary: wall clocks differ between ranks, and
-        # every rank must save the same step. issue 12: the others get its decision broadcast.
+        # every rank must save the same step: the others learn its decision in the step's
+        # agreement (runner.session.coordination.agree_on_step).
         every_seconds = self.config.ckpt_every_seconds if self.rank.acts_as_primary else None
         return SavePolicy(
             every_steps=self.config.ckpt_every,
@@ -727,7 +728,7 @@ class TrainSession:
         from runner.storage.file import FileStorage
 
         if not self.rank.acts_as_primary:
-            return  # issue 12: the primary prunes once every rank's shards are committed
+            return  # one pruner: the primary, once the ranks' commit of every part is done
         protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
         try:
             prune(

@@ -1,4 +1,4 @@
-"""A checkpoint cannot lie about itself (issue 9, item 4): the manifest's step, the directory
+"""A checkpoint cannot lie about itself: the manifest's step, the directory
 name and the counters inside the payload must agree. Real `python -m runner demo` processes
 on a run dir, a `file://` mirror and the S3 server."""
 

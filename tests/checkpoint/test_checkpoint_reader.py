@@ -262,7 +262,7 @@ def test_newest_loaded_falls_back_past_unloadable_checkpoints(
     assert _newest_loaded(tmp_path / "empty") is None
 
 
-# -- a checkpoint cannot lie about itself (issue 9, item 4) ----------------------------------
+# -- a checkpoint cannot lie about itself ----------------------------------------------------
 
 
 def _move_to_step(run: Path, src_step: int, dst_step: int) -> Path:

@@ -1,4 +1,4 @@
-"""One verification rule everywhere (issue 9, item 5): no file of a checkpoint may be a
+"""One verification rule everywhere: no file of a checkpoint may be a
 symlink, and no command follows one. Real `python -m runner ...` processes; every file of the
 run dir, the mirror and the outside secret is hashed before and after each command to prove
 nothing was changed."""

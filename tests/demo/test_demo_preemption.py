@@ -1,4 +1,5 @@
-"""`runner demo` as a real process receiving real signals (issue 3, Must show)."""
+"""`runner demo` as a real process receiving real signals (SIGTERM, SIGKILL, SIGUSR1): what
+it commits, its exit code, and the resume that follows."""
 
 from __future__ import annotations
 

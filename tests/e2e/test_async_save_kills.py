@@ -1,5 +1,5 @@
 """SIGKILL trainers whose checkpoints are written in the background, at random instants, 100+
-times, on one run dir: each next trainer resumes what the killed one left (issue 13).
+times, on one run dir: each next trainer resumes what the killed one left.
 
 The trainers are real processes forked from a zygote that imported torch and runner once
 (tests/fixtures/async_saves.py): each runs a TrainSession with `save_mode="async"` and a save

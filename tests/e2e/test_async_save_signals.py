@@ -1,4 +1,4 @@
-"""A stop while a checkpoint is being written in the background (issue 13): real `runner demo`
+"""A stop while a checkpoint is being written in the background: real `runner demo`
 processes, real signals, one process and two ranks under torchrun.
 
 - test_sigterm_during_a_background_save_*: the demo (async saves every step) is frozen with

@@ -1,4 +1,4 @@
-"""Resume on a fresh node from the bucket alone (issue 4, Must show): `runner demo` with
+"""Resume on a fresh node from the bucket alone: `runner demo` with
 `--mirror s3://...` SIGTERMed midway, its run dir deleted, restarted in a new empty dir."""
 
 from __future__ import annotations

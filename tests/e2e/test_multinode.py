@@ -1,4 +1,4 @@
-"""A job on two "nodes" (issue 14): two plain torchrun trees on this machine, one rank each,
+"""A job on two "nodes": two plain torchrun trees on this machine, one rank each,
 each with its own run dir, sharing only the mirror, a real SeaweedFS bucket.
 
 - test_stop_on_one_node_then_one_node_alone_resumes: SIGTERM to node 1's worker once the

@@ -1,4 +1,4 @@
-"""`runner demo` on 2 ranks under real torchrun (gloo, CPU): stops and resumes (issue 12).
+"""`runner demo` on 2 ranks under real torchrun (gloo, CPU): stops and resumes.
 
 - test_sigterm_to_torchrun_then_same_command_is_exact: SIGTERM to torchrun once a periodic
   checkpoint is committed stops every rank with exit 75; re-running the same command ends at

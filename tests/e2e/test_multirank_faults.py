@@ -1,4 +1,4 @@
-"""Faults of a 2-rank `runner demo` under real torchrun (issue 12).
+"""Faults of a 2-rank `runner demo` under real torchrun.
 
 - test_sigkill_of_one_rank_during_saves: a rank SIGKILLed while saves run (a checkpoint
   every step, so one is nearly always in flight) leaves no `step_*` dir without a manifest

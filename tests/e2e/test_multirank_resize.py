@@ -1,4 +1,4 @@
-"""Resume at another world size under real torchrun (issue 12): 2 ranks -> 1 and 1 -> 2.
+"""Resume at another world size under real torchrun: 2 ranks -> 1 and 1 -> 2.
 
 Each test stops a run with SIGTERM at a random step N (so N is no multiple of anything
 convenient), re-runs the same command at the other world size, and proves:

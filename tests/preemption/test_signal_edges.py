@@ -1,5 +1,5 @@
-"""Signals from the first instant to the last (issue 10, item 1), with real processes and real
-signals: a SIGTERM in the first second, a second SIGTERM while the process is on its way out,
+"""Signals from the first instant to the last, with real processes and real signals:
+a SIGTERM in the first second, a second SIGTERM while the process is on its way out,
 and repeated SIGTERMs at a user's script after its TrainSession stopped."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A stop request interrupts start-up (issue 10, item 2, the stop half): `runner demo` whose
+"""A stop request interrupts start-up: `runner demo` whose
 mirror accepts connections and never answers exits 75 on SIGTERM within the grace period,
 and a download given up on is never published into the run dir."""
 

@@ -176,8 +176,8 @@ def test_the_context_is_frozen() -> None:
 def test_runner_demo_runs_alone_under_an_invalid_launch_environment(
     tmp_path: Path, stray: dict[str, str], why: str
 ) -> None:
-    # nothing acts on the rank until issue 12: a stray launch environment is warned about and
-    # the demo runs as rank 0 of 1, as before the context existed
+    # a stray or malformed launch environment (not torchrun's) is warned about and the demo
+    # runs as rank 0 of 1 (runner.runtime.rank.launch_context) instead of exiting 2
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "runner", "demo", "--run-dir", str(run_dir), *TINY_DEMO],

@@ -1,4 +1,4 @@
-"""Async saves (issue 13) in process and through `runner demo`: a background failure, memory,
+"""Async saves in process and through `runner demo`: a background failure, memory,
 and the same checkpoints as sync saves.
 
 - test_background_write_failure_on_a_full_tmpfs_*: a real full tmpfs fails the background

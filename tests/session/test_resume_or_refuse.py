@@ -1,4 +1,4 @@
-"""Resume or refuse, never replace (issue 9, items 1 and 2), with real `runner` processes on
+"""Resume or refuse, never replace, with real `runner` processes on
 a local run dir, a file:// mirror and the SeaweedFS S3 server. Every checkpoint file is hashed
 before and after to prove nothing usable was changed, replaced, pruned or deleted."""
 

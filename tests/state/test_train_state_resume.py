@@ -1,4 +1,4 @@
-"""Bit-exact resume (issue 2, first "Must show").
+"""Bit-exact resume.
 
 60 steps straight vs. 30 steps, a committed checkpoint (CheckpointWriter), and the remaining 30
 in another process that loads it verified and weights-only: identical fingerprints and loss

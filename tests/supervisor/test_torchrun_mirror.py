@@ -1,8 +1,8 @@
 """The checkpoint dirs a runner child commits itself (`runner run -- runner demo`, or the demo's
 ranks under `runner run -- torchrun`: the supervisor follows both the same way) are counted
 and mirrored by the supervisor, which owns the mirror: a finished run's newest checkpoint is in
-the bucket before `runner run` exits 0. Before issue 12 the supervisor mirrored only the seed
-files it adopted, and a runner child's checkpoints only at the end of a stop."""
+the bucket before `runner run` exits 0. An earlier supervisor mirrored only the seed files it
+adopted, and a runner child's checkpoints only at the end of a stop."""
 
 from __future__ import annotations
 
