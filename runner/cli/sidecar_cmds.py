@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from runner.checkpoint.sidecars import pivot as pivot_sidecars
+from runner.checkpoint.pivot import pivot as pivot_sidecars
 from runner.cli.options import json_output
 from runner.errors import ConfigError
 

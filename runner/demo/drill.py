@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.checkpoint.listing import list_checkpoints, read_manifest
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, IntegrityError, RunnerError
 from runner.storage.file import FileStorage
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.checkpoint.listing import list_checkpoints, read_manifest
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.demo.drill import SIGTERM_TIMEOUT_SECONDS, DrillReport, outcome
 from runner.demo.drill_ranks_report import RankedDrillReport, Rescaled, audit_samples, read_samples
 from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError

@@ -134,7 +134,7 @@ def _copy_loss_history(
     """Write the effective loss history for steps <= the checkpoint's; returns the number of
     steps written and how many of them came from the checkpoint (the source's loss.jsonl
     lacked them)."""
-    from runner.checkpoint.sidecars import LossLog
+    from runner.checkpoint.loss_log import LossLog
 
     upto = checkpoint.step
     try:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, overload
 
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest, created_at_unix
-from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
 from runner.mirror.resume import ResumeChoice, SkipCallback, choose_resume

@@ -29,9 +29,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR, step_dir_name
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest
 from runner.checkpoint.room import Room, make_room
-from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import SINGLE, Group
 from runner.config import RunConfig

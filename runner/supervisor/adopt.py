@@ -26,7 +26,7 @@ from runner.checkpoint.layout import (
 from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import CheckpointConflictError, IntegrityError
-from runner.supervisor.files import DirWatch, open_for_writing
+from runner.supervisor.writer_detection import DirWatch, open_for_writing
 
 log = logging.getLogger(__name__)
 

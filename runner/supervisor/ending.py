@@ -15,7 +15,7 @@ from pathlib import Path
 
 from runner.checkpoint.layout import parse_step_dir
 from runner.checkpoint.listing import read_manifest_dir
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import (
     EXIT_FAILURE,

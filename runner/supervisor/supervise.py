@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import (

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from runner.checkpoint.layout import parse_seed_bin
+from runner.checkpoint.loss_log import LossFollower
 from runner.checkpoint.retention import prune
-from runner.checkpoint.sidecars import LossFollower
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
 from runner.storage.file import FileStorage

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.verify import verify_dir
 from tests.fixtures.async_saves import mounted_tmpfs as tmpfs
 from tests.fixtures.demo_process import (
@@ -87,7 +87,7 @@ def test_loss_log_on_a_full_disk_holds_its_lines_and_leaves_no_torn_line(
     failures: list[int] = []
     with tmpfs(tmp_path / "disk", "64k") as disk:
         loss_log = LossLog(disk, attempt="a1", on_failure=lambda: failures.append(1))
-        with caplog.at_level(logging.INFO, logger="runner.checkpoint.sidecars"), loss_log:
+        with caplog.at_level(logging.INFO, logger="runner.checkpoint.loss_log"), loss_log:
             loss_log.append(1, 1.0)
             fill(disk / "filler")
             size_full = (disk / "loss.jsonl").stat().st_size

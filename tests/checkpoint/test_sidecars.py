@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.sidecars import LossLog, pivot
+from runner.checkpoint.loss_log import LossLog
+from runner.checkpoint.pivot import pivot
 from runner.errors import ConfigError
 
 
@@ -136,7 +137,7 @@ def test_pivot_missing_run_dir(tmp_path: Path) -> None:
 
 
 def test_follower_reports_the_newest_complete_step(tmp_path: Path) -> None:
-    from runner.checkpoint.sidecars import LossFollower
+    from runner.checkpoint.loss_log import LossFollower
 
     follower = LossFollower(tmp_path)
     assert follower.poll() is None  # no file yet

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.verify import verify_dir
 from tests.fixtures.demo_process import (
     DEMO_STEPS,

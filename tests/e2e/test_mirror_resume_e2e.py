@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from runner.checkpoint.listing import list_checkpoints, read_manifest
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.storage.s3 import S3Storage
 from tests.fixtures.demo_process import (
     DEMO_STEPS,

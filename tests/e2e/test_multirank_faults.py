@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from tests.fixtures.demo_process import checkpoint_steps, manifest
 from tests.fixtures.multirank import (
     EVERY,

@@ -25,7 +25,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from tests.fixtures.demo_process import checkpoint_steps, logged_steps, manifest
 from tests.fixtures.multirank import (
     EVERY,

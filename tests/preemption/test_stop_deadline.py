@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from runner.checkpoint.listing import list_checkpoints
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.verify import verify_checkpoint
 from runner.storage.s3 import S3Storage
 from tests.fixtures.demo_process import checkpoint_steps

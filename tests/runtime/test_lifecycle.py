@@ -16,8 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from runner.checkpoint.listing import list_checkpoints
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.manifest import Manifest
-from runner.checkpoint.sidecars import LossLog
 from runner.checkpoint.verify import verify_dir
 from runner.errors import (
     EXIT_FAILURE,

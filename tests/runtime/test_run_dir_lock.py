@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.config import RunConfig
 from runner.errors import EXIT_USAGE, RunDirLockedError, exit_code_for
 from runner.runtime import runlock

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from runner.checkpoint.listing import list_checkpoints
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.session.train_session import TrainSession
 from runner.state.train_state import ModuleTrainState
 from runner.storage.file import FileStorage

@@ -13,7 +13,7 @@ from typing import BinaryIO
 import pytest
 from prometheus_client import CollectorRegistry
 
-from runner.checkpoint.sidecars import LossLog
+from runner.checkpoint.loss_log import LossLog
 from runner.config import RunConfig
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.stop import StopController

@@ -1,4 +1,4 @@
-"""Sidecar files beside the checkpoints (DESIGN.md, 'Run directory').
+"""The loss log, `loss.jsonl` beside the checkpoints (DESIGN.md, 'Run directory').
 
 `loss.jsonl` is the audit trail of the whole run: append-only, never archived, never
 rewritten. Each line is a JSON object; loss lines carry "step", "loss", "t" (UNIX time) and
@@ -9,12 +9,11 @@ seen before the marker, so it gets exactly one loss per step, the one on the pat
 the current state, while the lost lines stay in the file. Within that rule the last line for
 a step wins. Marker lines have no "step": readers that only want losses skip such lines.
 
-`samples.json` and `state.json` belong to one policy era: `pivot` archives them with a
-timestamp and resets them (removes them), and never touches the loss history.
+The other sidecars, `samples.json` and `state.json`, are archived and reset by
+runner.checkpoint.pivot, which never touches the loss history.
 
-Long (about 360 lines): `LossLog` is the one writer of loss.jsonl (appends, resume markers,
-write failures held and retried) and its reader, follower and the pivot of the sidecars share
-its line format.
+Long (about 330 lines): `LossLog` is the one writer of loss.jsonl (appends, resume markers,
+write failures held and retried) and its reader and follower share its line format.
 """
 
 from __future__ import annotations
@@ -28,18 +27,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runner.atomicity.files import fsync_dir
-from runner.checkpoint.layout import LOSS_FILE, SAMPLES_FILE, STATE_FILE
-from runner.errors import ConfigError
+from runner.checkpoint.layout import LOSS_FILE
 
 log = logging.getLogger(__name__)
-
-ARCHIVE_DIR = "archive"
-PIVOT_SIDECARS = (SAMPLES_FILE, STATE_FILE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,34 +328,3 @@ class LossFollower:
             if isinstance(step, int) and not isinstance(step, bool):
                 newest = step
         return newest
-
-
-def pivot(run_dir: Path, *, now: datetime | None = None) -> list[Path]:
-    """Archive samples.json and state.json under RUN_DIR/archive/<timestamp>/ and reset them.
-
-    Reset means the live files are gone: the trainer starts both afresh. loss.jsonl is never
-    touched. Returns the archived paths (empty when there was nothing to archive).
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir}: no such run directory")
-    present = [run_dir / name for name in PIVOT_SIDECARS if (run_dir / name).exists()]
-    if not present:
-        return []
-    stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S.%fZ")
-    archive_root = run_dir / ARCHIVE_DIR
-    archive_root.mkdir(exist_ok=True)
-    target = archive_root / f"pivot-{stamp}"
-    suffix = 1
-    while target.exists():
-        target = archive_root / f"pivot-{stamp}-{suffix}"
-        suffix += 1
-    target.mkdir()
-    archived = []
-    for src in present:
-        dst = target / src.name
-        os.replace(src, dst)  # same filesystem: atomic, no copy, no partial archive
-        archived.append(dst)
-    fsync_dir(target)
-    fsync_dir(run_dir)
-    return archived
