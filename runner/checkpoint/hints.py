@@ -9,7 +9,6 @@ from pathlib import Path
 from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, parse_seed_bin, parse_step_dir
 from runner.errors import RunnerError, StorageNotFoundError
 from runner.storage.base import Storage
-from runner.storage.file import FileStorage
 
 # How many keys `misplaced_hint` looks at in a remote location before giving up on a hint.
 _HINT_LIST_LIMIT = 200
@@ -69,8 +68,9 @@ def _holds_manifest(storage: Storage) -> bool:
 def _children_kind(storage: Storage) -> str | None:
     """ "steps" when the location's top level has step_N directories, "seed-bin" when it has
     step_N.bin files, else None."""
-    if isinstance(storage, FileStorage):
-        names = [(e.name, e.is_dir(follow_symlinks=False)) for e in os.scandir(storage.root)]
+    root = storage.local_path()
+    if root is not None:
+        names = [(e.name, e.is_dir(follow_symlinks=False)) for e in os.scandir(root)]
     else:
         names = []
         for count, info in enumerate(storage.list("step_")):

@@ -24,7 +24,6 @@ from runner.errors import (
     SchemaError,
 )
 from runner.storage.base import Storage
-from runner.storage.file import FileStorage
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +92,9 @@ def usable(storage: Storage, step: int, *, sizes_only: bool) -> bool:
     """Whether the step verifies (sizes only for a remote one when `sizes_only`); a warning
     names one that does not."""
     try:
-        if isinstance(storage, FileStorage):
-            verify_dir(storage.root / checkpoint_key(step))
+        step_dir = storage.local_path(checkpoint_key(step))
+        if step_dir is not None:
+            verify_dir(step_dir)
         elif sizes_only:
             check_remote_sizes(storage, step)
         else:
@@ -115,8 +115,9 @@ def foreign(storage: Storage, step: int) -> bool:
     its payload is one this runner cannot load (read mapped: no hashing, no full read)."""
     try:
         manifest = read_manifest(storage, step)
-        if isinstance(storage, FileStorage):
-            check_payload_counters(storage.root / checkpoint_key(step), manifest)
+        step_dir = storage.local_path(checkpoint_key(step))
+        if step_dir is not None:
+            check_payload_counters(step_dir, manifest)
     except SchemaError as exc:
         log.warning("retention: leaving step %d at %s alone: %s", step, storage.uri, exc)
         return True
@@ -138,8 +139,8 @@ def delete_checkpoint(
     base = checkpoint_key(step)
     if protected is None:
         protected = protected_keys(storage)
-    if isinstance(storage, FileStorage) and not protected.under(step):
-        step_dir = storage.root / base
+    step_dir = storage.local_path(base)
+    if step_dir is not None and not protected.under(step):
         aside = temp_path(step_dir, tag="pruned")
         try:
             os.rename(step_dir, aside)

@@ -39,7 +39,6 @@ from runner.checkpoint.listing import (
 from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest, check_relative_path
 from runner.errors import IntegrityError, RunnerError, StorageNotFoundError
 from runner.storage.base import Storage
-from runner.storage.file import FileStorage
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +89,11 @@ def verify_checkpoint(storage: Storage, step: int) -> Manifest:
 
     A local location (a run dir, `file://`) is checked in place by `verify_dir` (hashed on
     several threads, symlinks refused); any other storage is streamed."""
-    if isinstance(storage, FileStorage):
+    step_dir = storage.local_path(checkpoint_key(step))
+    if step_dir is not None:
         # FileStorage refuses a symlinked checkpoints/ dir when listing; here the step dir
         # and everything in it are checked without following any symlink
-        return verify_dir(storage.root / checkpoint_key(step), step=step)
+        return verify_dir(step_dir, step=step)
     manifest = check_remote_sizes(storage, step)
     base = checkpoint_key(step)
     for entry in manifest.files:

@@ -98,9 +98,8 @@ def _repair_step(target: Storage, origin: Storage | None, step: int, *, tmp: Pat
     from runner.checkpoint.aside import CORRUPT, decommit_remote, protected_keys, set_aside_local
     from runner.checkpoint.layout import checkpoint_key
     from runner.mirror import upload_checkpoint
-    from runner.storage.file import FileStorage
 
-    local = target.root if isinstance(target, FileStorage) else None
+    local = target.local_path()
     if local is not None and protected_keys(target).under(step):
         # a file:// mirror whose step dir also holds objects an aside record names (an older
         # lineage's payload): moving the dir would take them from under their record, so

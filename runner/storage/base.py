@@ -61,6 +61,14 @@ class Storage(Protocol):
         """Where this storage points, for messages (never contains secrets)."""
         ...
 
+    def local_path(self, key: str = "") -> Path | None:
+        """Where `key` (the location's root for "") lies on this machine, when the storage is
+        a plain directory here: a caller may then work on it in place (verify a step dir on
+        several threads, rename it away whole). None for a store reached through requests
+        (s3://), and for a storage whose every call must go through its methods (a wrapper
+        that records them). Nothing is checked: the path may not exist."""
+        ...
+
     def put_file(
         self,
         key: str,

@@ -41,6 +41,9 @@ class FileStorage:
     def uri(self) -> str:
         return f"file://{self.root}"
 
+    def local_path(self, key: str = "") -> Path | None:
+        return self._path(key) if key else self.root
+
     def _path(self, key: str) -> Path:
         return self.root / check_key(key, uri=self.uri)
 

@@ -164,6 +164,9 @@ class S3Storage:
     def __repr__(self) -> str:
         return f"S3Storage({self.uri} at {self.endpoint})"
 
+    def local_path(self, key: str = "") -> Path | None:
+        return None  # objects, not files: every access is a request
+
     # -- helpers -------------------------------------------------------------------------
 
     def _full(self, key: str) -> str:

@@ -417,6 +417,9 @@ class _CountingStorage:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
+    def local_path(self, key: str = "") -> None:
+        return None  # every read goes through the counting methods
+
     def get_bytes(self, key: str) -> bytes:
         data = self.inner.get_bytes(key)
         self.read_bytes += len(data)
@@ -495,6 +498,9 @@ class _Streamed:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
+
+    def local_path(self, key: str = "") -> None:
+        return None  # like s3://: nothing is worked on in place
 
 
 def test_streamed_verify_checks_counters_within_its_bound_and_download_always(
