@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
@@ -33,9 +33,9 @@ from runner.atomicity.files import (
     fsync_dir,
     read_chunks,
 )
-from runner.atomicity.publish import Existing, publish_dir
 from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp, temp_name
-from runner.checkpoint.aside import CORRUPT, set_aside_local
+from runner.checkpoint.aside import set_aside_local
+from runner.checkpoint.existing import UNREADABLE, Found, LocalStep
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from runner.checkpoint.manifest import (
     FORMAT_CHUNKED,
@@ -46,12 +46,10 @@ from runner.checkpoint.manifest import (
 )
 from runner.checkpoint.payload import STATE_FILE, with_schema
 from runner.checkpoint.staging import Staging
-from runner.checkpoint.verify import verify_dir
 from runner.errors import (
     CheckpointConflictError,
     ConfigError,
     IntegrityError,
-    SchemaError,
 )
 
 log = logging.getLogger(__name__)
@@ -263,31 +261,16 @@ class CheckpointWriter:
         return CommittedCheckpoint(step=meta.step, path=final, manifest=in_place)
 
     def _publish(self, staged: Path, final: Path, manifest: Manifest) -> Manifest:
-        """Rename the staged dir to its final name, handling an existing checkpoint there.
+        """Rename the staged dir to its final name under the existing-step policy
+        (runner.checkpoint.existing); a conflict sets this save aside (`_refuse`)."""
 
-        A checkpoint that verifies is never replaced: holding the same state (equal
-        fingerprint), ours is a duplicate and discarded; holding another state, or of a
-        schema this runner cannot read, it stays and ours is set aside (CheckpointConflictError).
-        Only one that fails verification is replaced, and it is set aside first (rename
-        cannot replace a non-empty dir), never deleted."""
-        kept: list[Manifest] = []  # what the policy found there and kept
-        replaced: list[tuple[IntegrityError, Path]] = []  # why it was set aside, and where
-
-        def on_existing(path: Path) -> Existing:
-            try:
-                existing = verify_dir(path)
-            except SchemaError as exc:
-                self._refuse(staged, final, f"it is of a kind this runner does not read ({exc})")
-            except IntegrityError as exc:
-                with suppress(FileNotFoundError):  # gone meanwhile: the rename is tried again
-                    replaced.append(
-                        (exc, set_aside_local(self.ckpt_dir.parent, path, reason=CORRUPT))
-                    )
-                return Existing.MOVED
-            if existing.fingerprint and existing.fingerprint == manifest.fingerprint:
-                log.info("%s already holds this state; discarding the duplicate", final)
-                kept.append(existing)
-                return Existing.KEEP
+        def refuse(path: Path, found: Found) -> NoReturn:
+            if found.kind == UNREADABLE:
+                self._refuse(
+                    staged, final, f"it is of a kind this runner does not read ({found.error})"
+                )
+            existing = found.manifest
+            assert existing is not None
             self._refuse(
                 staged,
                 final,
@@ -296,10 +279,10 @@ class CheckpointWriter:
                 f"{manifest.fingerprint[:12] or '(none)'})",
             )
 
-        if not publish_dir(staged, final, on_existing=on_existing):
-            return kept[-1]
-        if replaced:
-            exc, aside = replaced[-1]
+        policy = LocalStep(manifest, refuse=refuse)
+        in_place = policy.publish(staged, final)
+        if policy.replaced is not None:
+            exc, aside = policy.replaced
             log.warning(
                 "replaced %s, which failed verification (%s), with a new save; the corrupt "
                 "copy is kept as %s",
@@ -307,7 +290,7 @@ class CheckpointWriter:
                 exc,
                 aside,
             )
-        return manifest
+        return in_place
 
     def _refuse(self, staged: Path, final: Path, why: str) -> NoReturn:
         kept = set_aside_local(

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 from runner.atomicity.files import atomic_write_bytes, fsync_dir
-from runner.atomicity.publish import Existing, publish_dir
 from runner.atomicity.temp import temp_name
-from runner.checkpoint.aside import CORRUPT, set_aside_local
 from runner.checkpoint.counter_check import check_payload_counters
+from runner.checkpoint.existing import SAME, UNREADABLE, Found, LocalStep, judge, same_payload
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
@@ -20,7 +20,7 @@ from runner.checkpoint.layout import (
 from runner.checkpoint.listing import read_manifest
 from runner.checkpoint.manifest import FileEntry, Manifest
 from runner.checkpoint.verify import verify_dir
-from runner.errors import CheckpointConflictError, IntegrityError, SchemaError
+from runner.errors import CheckpointConflictError
 from runner.mirror.remote_layout import for_each_file, to_local
 from runner.preemption.startup import publishing
 from runner.storage.base import ProgressCallback, Storage
@@ -66,7 +66,7 @@ def download_checkpoint(
         atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
         fsync_dir(staging)
         with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
-            publish_dir(staging, final, on_existing=_replace_only_corrupt)
+            replace_only_corrupt(local).publish(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("downloaded checkpoint step %d from %s to %s", step, storage.uri, final)
@@ -100,27 +100,26 @@ def _download_one(
 
 
 def _holds(step_dir: Path, manifest: Manifest) -> bool:
-    try:
-        existing = verify_dir(step_dir)
-    except IntegrityError:
-        return False
-    return existing.fingerprint == manifest.fingerprint and existing.files == manifest.files
+    found = judge(lambda: verify_dir(step_dir), manifest, same=same_payload)
+    return found.kind == SAME
 
 
-def _replace_only_corrupt(final: Path) -> Existing:
-    """The publish policy: an existing directory is replaced only when it fails verification,
-    and it is set aside (RUN_DIR/aside/), never deleted; one that verifies, or of a schema
-    this runner cannot read, stays (CheckpointConflictError)."""
-    try:
-        verify_dir(final)
-    except SchemaError as exc:
+def replace_only_corrupt(
+    incoming: Manifest, *, refused: tuple[Path, str] | None = None
+) -> LocalStep:
+    """The existing-step policy (runner.checkpoint.existing) worded for a downloaded copy:
+    a corrupt copy there is set aside (RUN_DIR/aside/), never deleted; the same checkpoint
+    is kept; one that verifies, or of a schema this runner cannot read, stays
+    (CheckpointConflictError). `refused`: as for `LocalStep`."""
+    return LocalStep(incoming, refuse=_refuse_download, same=same_payload, refused=refused)
+
+
+def _refuse_download(final: Path, found: Found) -> NoReturn:
+    if found.kind == UNREADABLE:
         raise CheckpointConflictError(
-            f"{final} holds a checkpoint this runner cannot read ({exc}); not replacing it "
-            "with the downloaded copy"
-        ) from exc
-    except IntegrityError:
-        set_aside_local(final.parent.parent, final, reason=CORRUPT)
-        return Existing.MOVED
+            f"{final} holds a checkpoint this runner cannot read ({found.error}); not replacing "
+            "it with the downloaded copy"
+        ) from found.error
     raise CheckpointConflictError(
         f"{final} already holds a different checkpoint that verifies; not replacing "
         "it with the downloaded copy"

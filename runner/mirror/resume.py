@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.atomicity.publish import publish_dir
 from runner.atomicity.temp import temp_name
 from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote, set_aside_local
 from runner.checkpoint.layout import (
@@ -41,7 +40,7 @@ from runner.errors import (
     StorageNotFoundError,
     UnusableCheckpointsError,
 )
-from runner.mirror.download import download_checkpoint
+from runner.mirror.download import download_checkpoint, replace_only_corrupt
 from runner.preemption.startup import check_not_abandoned, publishing
 from runner.storage.base import ProgressCallback, Storage
 
@@ -285,11 +284,12 @@ def _try_remote(
                 )
                 return None
         final = ckpt_dir / step_dir_name(step)
-        old = replacing.local_path if replacing is not None else None
+        refused = None
+        if replacing is not None and replacing.local_path is not None:
+            # the walk refused the local copy: it goes aside as judged, not hashed again
+            refused = (replacing.local_path, FOREIGN if replacing.foreign else CORRUPT)
         with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
-            if replacing is not None and old is not None and (old.exists() or old.is_symlink()):
-                set_aside_local(run_dir, old, reason=FOREIGN if replacing.foreign else CORRUPT)
-            publish_dir(staged, final)  # no policy: the refused local copy was set aside above
+            manifest = replace_only_corrupt(manifest, refused=refused).publish(staged, final)
         return ResumeChoice(step_dir=final, manifest=manifest, loaded=loaded, from_mirror=True)
     finally:
         shutil.rmtree(incoming, ignore_errors=True)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runner.checkpoint.aside import CORRUPT, decommit_remote
+from runner.checkpoint.existing import CORRUPT_THERE, SAME, UNREADABLE, judge
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.listing import read_manifest_bytes, read_manifest_dir
 from runner.checkpoint.manifest import FileEntry, Manifest
@@ -14,7 +15,6 @@ from runner.checkpoint.verify import verify_checkpoint
 from runner.errors import (
     IntegrityError,
     RunnerError,
-    SchemaError,
     StorageConflictError,
     StorageNotFoundError,
     StorageTransientError,
@@ -162,37 +162,52 @@ def existing_copy(
     """The mirror's copy of this checkpoint when it already holds it (`same(there, local)`:
     by default the same step, state and payload bytes); None when the step is free (nothing
     there, or a corrupt checkpoint that was just de-committed). Raises StorageConflictError
-    when the step holds another good checkpoint or one this runner does not read."""
+    when the step holds another good checkpoint or one this runner does not read: the
+    existing-step policy (runner.checkpoint.existing) applied to a step in a store."""
     step = local.step
     where = f"{storage.uri}/{manifest_key(step)}"
     raw: bytes | None = None
-    try:
+    trusted: list[Manifest] = []  # the same manifest, taken without hashing (not `verify`)
+
+    def check() -> Manifest:
+        nonlocal raw
         raw = read_manifest_bytes(storage, manifest_key(step))  # too large: IntegrityError
         existing = Manifest.from_json(raw, source=where)
         if same(existing, local) and not verify:
-            log.info("checkpoint step %d is already in %s", step, storage.uri)
+            trusted.append(existing)
             return existing
-        verified = verify_checkpoint(storage, step)
+        return verify_checkpoint(storage, step)
+
+    try:
+        found = judge(check, local, same=same)
     except StorageNotFoundError:
         return None
-    except SchemaError as exc:
+    if found.kind == UNREADABLE:
         raise StorageConflictError(
             f"{storage.uri} holds a checkpoint at step {step} that this runner cannot read "
-            f"({exc}); it is never replaced. Upgrade spot-runner, or start a new run elsewhere"
-        ) from exc
-    except IntegrityError as exc:
+            f"({found.error}); it is never replaced. Upgrade spot-runner, or start a new run "
+            "elsewhere"
+        ) from found.error
+    if found.kind == CORRUPT_THERE:
         log.warning(
             "checkpoint step %d in %s fails verification (%s): replacing it with step %d from %s",
             step,
             storage.uri,
-            exc,
+            found.error,
             step,
             local.writer,
         )
         decommit_remote(storage, step, reason=CORRUPT, expected=raw)
         return None
-    if same(verified, local):
-        log.info("checkpoint step %d is already in %s (verified)", step, storage.uri)
+    verified = found.manifest
+    assert verified is not None
+    if found.kind == SAME:
+        log.info(
+            "checkpoint step %d is already in %s%s",
+            step,
+            storage.uri,
+            "" if trusted else " (verified)",
+        )
         return verified
     raise StorageConflictError(
         f"{storage.uri} already holds a different checkpoint at step {step} that verifies "
