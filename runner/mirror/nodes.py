@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from runner.atomicity.temp import temp_name
 from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote
 from runner.checkpoint.counter_check import check_payload_counters
+from runner.checkpoint.existing import same_state
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, manifest_key, step_dir_name
 from runner.checkpoint.listing import list_checkpoints
@@ -49,14 +50,13 @@ from runner.errors import (
     PayloadNotLoadableError,
     RunnerError,
     SchemaError,
-    StorageConflictError,
     StorageNotFoundError,
     StorageTransientError,
     UnusableCheckpointsError,
 )
 from runner.mirror.download import download_checkpoint
 from runner.mirror.remote_layout import new_attempt_id, to_local, to_remote
-from runner.mirror.upload import discard_attempt, existing_copy, remote_manifest, upload_file
+from runner.mirror.upload import discard_attempt, put_manifest, remote_manifest, upload_file
 from runner.state.counters import Counters
 from runner.state.ranked import RankedPayload
 from runner.storage.base import Storage
@@ -185,51 +185,25 @@ def _upload_part(
 
 
 def _put_manifest(bucket: NodeBucket, local: Manifest, *, attempt: str) -> Manifest:
-    """The manifest, create-only: the commit. When the step is taken already (`_settle`):
-    by this attempt (an answer lost to a retry) or by this very state, whole and verified,
-    it counts as committed; a corrupt copy is healed (de-committed, kept aside, then this
-    one); another good checkpoint there is never replaced (StorageConflictError)."""
+    """The manifest, create-only: the commit (runner.mirror.upload.put_manifest). A step
+    taken by this very state counts only once that copy is whole and verified (same
+    fingerprint, every file hashed: DCP's index differs between two saves of one state, so
+    the files alone cannot tell)."""
     storage = bucket.storage
     remote = to_remote(local, attempt=attempt)
     with store_deadline(bucket.deadline()):
         _check_all_there(storage, remote)
-        for _ in range(2):  # a second try only after a corrupt copy was de-committed
-            try:
-                storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
-            except StorageConflictError:
-                if _settle(storage, local, attempt=attempt):
-                    return local
-                continue
-            log.info(
-                "checkpoint step %d committed in %s (%d files from %d ranks, %.1f MB)",
-                local.step,
-                storage.uri,
-                len(local.files),
-                local.world_size,
-                local.total_bytes / 1e6,
-            )
-            return local
-    raise StorageConflictError(f"{storage.uri}: step {local.step} could not be committed")
-
-
-def _settle(storage: Storage, local: Manifest, *, attempt: str) -> bool:
-    """After the manifest's put found the step taken: True when it holds this checkpoint
-    (this attempt's, or this very state from another: same fingerprint, every file hashed;
-    DCP's index differs between two saves of one state, so the files alone cannot tell),
-    this attempt's objects then removed unless the manifest names them; False when the
-    copy there was corrupt and is de-committed now (try again). StorageConflictError for
-    another state that verifies, or one this runner cannot read: never replaced."""
-    there = remote_manifest(storage, local.step)
-    if there is not None and there.extra.get(ATTEMPT_FIELD) == attempt:
-        return True
-    if existing_copy(storage, local, verify=True, same=_same_state) is None:
-        return False
-    discard_attempt(storage, base=checkpoint_key(local.step), attempt=attempt)
-    return True
-
-
-def _same_state(there: Manifest, local: Manifest) -> bool:
-    return bool(local.fingerprint) and there.fingerprint == local.fingerprint
+        _, ours = put_manifest(storage, local, remote, verify=True, same=same_state)
+    if ours:
+        log.info(
+            "checkpoint step %d committed in %s (%d files from %d ranks, %.1f MB)",
+            local.step,
+            storage.uri,
+            len(local.files),
+            local.world_size,
+            local.total_bytes / 1e6,
+        )
+    return local
 
 
 def _check_all_there(storage: Storage, remote: Manifest) -> None:

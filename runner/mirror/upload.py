@@ -77,15 +77,12 @@ def upload_checkpoint(
     try:
         _send_files(storage, step_dir, local, remote, progress=progress, file_workers=file_workers)
         # the local manifest's lowest schema again (runner.checkpoint.manifest.Manifest)
-        storage.put_bytes(manifest_key(local.step), remote.to_json(), if_absent=True)
-    except StorageConflictError:
-        settled = _settle_conflict(storage, local, remote, base=base, attempt=attempt)
-        if settled is not None:
-            return settled
-        raise
+        committed, ours = put_manifest(storage, local, remote)
     except BaseException:
         discard_attempt(storage, base=base, attempt=attempt)
         raise
+    if not ours:
+        return committed  # the same checkpoint from another writer (logged as found)
     log.info(
         "uploaded checkpoint step %d to %s (%d files, %d bytes)",
         local.step,
@@ -96,18 +93,57 @@ def upload_checkpoint(
     return remote
 
 
-def _settle_conflict(
-    storage: Storage, local: Manifest, remote: Manifest, *, base: str, attempt: str
-) -> Manifest | None:
-    """After the manifest write found the step taken: the mirror's manifest when it is ours
-    (an earlier try landed) or holds the same content, else None (this attempt discarded)."""
-    winner = remote_manifest(storage, local.step)
-    if winner is not None and winner.extra.get(ATTEMPT_FIELD) == attempt:
-        # our own earlier try landed; only its answer was lost (the retry got 412)
-        log.info("uploaded checkpoint step %d to %s", local.step, storage.uri)
-        return remote
-    discard_attempt(storage, base=base, attempt=attempt)
-    return existing_copy(storage, local, verify=False)
+def put_manifest(
+    storage: Storage,
+    local: Manifest,
+    remote: Manifest,
+    *,
+    verify: bool = False,
+    same: Callable[[Manifest, Manifest], bool] = same_checkpoint,
+) -> tuple[Manifest, bool]:
+    """The commit in a store: `remote` (this attempt's manifest) put last, create-only.
+    Returns the step's manifest now and whether it is this attempt's.
+
+    When the step is taken (`settle`): by this attempt, the put landed and only its answer
+    was lost; by the same checkpoint (`same`, hashed first with `verify`), it counts as
+    committed and this attempt's objects go; a corrupt copy is de-committed and the put
+    tried once more; another good checkpoint, or one this runner cannot read, raises
+    StorageConflictError (never replaced)."""
+    key = manifest_key(local.step)
+    for _ in range(2):  # a second try only after a corrupt copy was de-committed
+        try:
+            storage.put_bytes(key, remote.to_json(), if_absent=True)
+        except StorageConflictError:
+            settled = settle(storage, local, remote, verify=verify, same=same)
+            if settled is not None:
+                return settled
+            continue
+        return remote, True
+    raise StorageConflictError(f"{storage.uri}: step {local.step} could not be committed")
+
+
+def settle(
+    storage: Storage,
+    local: Manifest,
+    remote: Manifest,
+    *,
+    verify: bool,
+    same: Callable[[Manifest, Manifest], bool],
+) -> tuple[Manifest, bool] | None:
+    """After a create-only manifest put found the step taken: (remote, True) when the
+    manifest there names this attempt (an earlier try landed; a retry got 412); (theirs,
+    False) when it holds this checkpoint (`existing_copy`), this attempt's objects then
+    removed; None when the copy there was corrupt and is de-committed now (put again).
+    StorageConflictError otherwise (the caller removes this attempt's objects)."""
+    attempt = remote.extra[ATTEMPT_FIELD]
+    there = remote_manifest(storage, local.step)
+    if there is not None and there.extra.get(ATTEMPT_FIELD) == attempt:
+        return remote, True
+    existing = existing_copy(storage, local, verify=verify, same=same)
+    if existing is None:
+        return None
+    discard_attempt(storage, base=checkpoint_key(local.step), attempt=attempt)
+    return existing, False
 
 
 def _send_files(
