@@ -1,17 +1,10 @@
-"""Commit protocol: a checkpoint becomes visible in one rename, with its manifest written last.
-
-    checkpoints/.tmp-step_NNNNNN-<pid>-<uuid>/   payload files streamed + hashed + fsynced
-    checkpoints/.tmp-step_NNNNNN-.../manifest.json  written last, fsynced, dir fsynced
-    rename -> checkpoints/step_NNNNNN/, parent fsynced
+"""The checkpoint writer: what a save commits (format, manifest, identity), through the local
+commit target (runner.checkpoint.target: staged, hashed, manifest last, fsync, rename).
 
 A crash at any instant leaves the previous checkpoints untouched and, at worst, a `.tmp-`
 directory that readers ignore and `cleanup_partial` removes. A writer keeps no mutable state
-between calls (the only shared fact is the process-wide, locked set of temp dirs being
-written), so `write_state` can run on a snapshot in a background thread.
-
-Long (about 300 lines): `CheckpointWriter` is the one commit protocol (stage, hash, fsync,
-rename, fsync), kept in one class so that its order reads in one place; staging, aside and
-retention are modules of their own.
+between calls (the only shared fact is the target's process-wide, locked set of temp dirs
+being written), so `write_state` can run on a snapshot in a background thread.
 """
 
 from __future__ import annotations
@@ -19,21 +12,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from runner.atomicity.files import (
-    HashingFileWriter,
-    fsync_dir,
     read_chunks,
 )
-from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp, temp_name
+from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp
 from runner.checkpoint.aside import set_aside_local
 from runner.checkpoint.existing import UNREADABLE, Found, LocalStep
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
@@ -46,6 +34,7 @@ from runner.checkpoint.manifest import (
 )
 from runner.checkpoint.payload import STATE_FILE, with_schema
 from runner.checkpoint.staging import Staging
+from runner.checkpoint.target import LocalTarget, in_flight
 from runner.errors import (
     CheckpointConflictError,
     ConfigError,
@@ -57,11 +46,6 @@ log = logging.getLogger(__name__)
 # A temp dir whose owner is not this process is only removed once it has been idle this long:
 # its pid may belong to another host or container sharing the volume.
 DEFAULT_STALE_SECONDS = 300.0
-
-# Temp dirs being written by any writer in this process: a process-wide fact (two writers in
-# one process must not clean up each other's work), emptied as each write ends.
-_IN_FLIGHT: set[str] = set()
-_IN_FLIGHT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +86,7 @@ class CheckpointWriter:
         self.writer_id = writer_id
         self.chunk_bytes = chunk_bytes
         self.stale_seconds = stale_seconds
+        self._target = LocalTarget(self.ckpt_dir)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -193,9 +178,8 @@ class CheckpointWriter:
         for entry in self.ckpt_dir.iterdir():
             if not is_temp_name(entry.name):
                 continue
-            with _IN_FLIGHT_LOCK:
-                if str(entry.absolute()) in _IN_FLIGHT:
-                    continue
+            if in_flight(entry):
+                continue
             if is_stale_temp(entry, stale_seconds=self.stale_seconds, now=now):
                 remove_temp(entry)
                 removed.append(entry)
@@ -213,20 +197,8 @@ class CheckpointWriter:
 
     # -- internals --------------------------------------------------------------------------
 
-    @contextmanager
-    def _staging(self, step: int) -> Iterator[Staging]:
-        path = self.ckpt_dir / temp_name(step_dir_name(step))
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT.add(str(path.absolute()))
-        try:
-            path.mkdir()
-            yield Staging(path)
-        finally:
-            if path.exists():  # not committed: an error or a discarded duplicate
-                shutil.rmtree(path, ignore_errors=True)
-            with _IN_FLIGHT_LOCK:
-                _IN_FLIGHT.discard(str(path.absolute()))
+    def _staging(self, step: int) -> contextlib.AbstractContextManager[Staging]:
+        return self._target.staging(step)
 
     def manifest_for(
         self, files: list[FileEntry], *, meta: CheckpointMeta, format: str
@@ -252,17 +224,14 @@ class CheckpointWriter:
 
     def _commit(self, stage: Staging, *, meta: CheckpointMeta, format: str) -> CommittedCheckpoint:
         manifest = self.manifest_for(stage.files, meta=meta, format=format)
-        with HashingFileWriter(stage.path / MANIFEST_NAME, parallel_hash=False) as out:
-            out.write(manifest.to_json())
-            out.commit(sync_dir=False)
-        fsync_dir(stage.path)
         final = self.ckpt_dir / step_dir_name(meta.step)
-        in_place = self._publish(stage.path, final, manifest)
+        in_place = self._finalize(stage, final, manifest)
         return CommittedCheckpoint(step=meta.step, path=final, manifest=in_place)
 
-    def _publish(self, staged: Path, final: Path, manifest: Manifest) -> Manifest:
-        """Rename the staged dir to its final name under the existing-step policy
-        (runner.checkpoint.existing); a conflict sets this save aside (`_refuse`)."""
+    def _finalize(self, stage: Staging, final: Path, manifest: Manifest) -> Manifest:
+        """The local target's finalize (manifest last, fsync, rename) under the existing-step
+        policy (runner.checkpoint.existing); a conflict sets this save aside (`_refuse`)."""
+        staged = stage.path
 
         def refuse(path: Path, found: Found) -> NoReturn:
             if found.kind == UNREADABLE:
@@ -280,7 +249,7 @@ class CheckpointWriter:
             )
 
         policy = LocalStep(manifest, refuse=refuse)
-        in_place = policy.publish(staged, final)
+        in_place = self._target.finalize(stage, policy)
         if policy.replaced is not None:
             exc, aside = policy.replaced
             log.warning(

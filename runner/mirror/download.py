@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import NoReturn
 
-from runner.atomicity.files import atomic_write_bytes, fsync_dir
-from runner.atomicity.temp import temp_name
 from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.existing import SAME, UNREADABLE, Found, LocalStep, judge, same_payload
 from runner.checkpoint.layout import (
@@ -19,6 +16,7 @@ from runner.checkpoint.layout import (
 )
 from runner.checkpoint.listing import read_manifest
 from runner.checkpoint.manifest import FileEntry, Manifest
+from runner.checkpoint.target import LocalTarget
 from runner.checkpoint.verify import verify_dir
 from runner.errors import CheckpointConflictError
 from runner.mirror.remote_layout import for_each_file, to_local
@@ -51,24 +49,20 @@ def download_checkpoint(
     final = ckpt_dir / step_dir_name(step)
     if final.is_dir() and _holds(final, local):
         return final
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    # same naming as the writer's temp dirs, so its cleanup removes a crashed pull's leftovers
-    staging = ckpt_dir / temp_name(step_dir_name(step))
-    staging.mkdir()
-    try:
-        _fetch_files(storage, remote, local, staging, progress=progress, file_workers=file_workers)
+    # the writer's target: its temp names, so its cleanup removes a crashed pull's leftovers
+    target = LocalTarget(ckpt_dir)
+    with target.staging(step) as stage:
+        _fetch_files(
+            storage, remote, local, stage.path, progress=progress, file_workers=file_workers
+        )
         # the same rules as every other check (runner.checkpoint.verify): the files were
         # hashed as they arrived; the payload's counters must agree with the manifest too,
         # or a mislabelled checkpoint would be published and only refused when loaded
-        check_payload_counters(staging, local)
-        # the schema it was read as, the lowest that expresses it (a v2 torch-sharded one
-        # is written back as v2 torch-sharded): the bytes its writer committed
-        atomic_write_bytes(staging / MANIFEST_NAME, local.to_json())
-        fsync_dir(staging)
-        with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
-            replace_only_corrupt(local).publish(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        check_payload_counters(stage.path, local)
+        # the manifest in the schema it was read as, the lowest that expresses it (a v2
+        # torch-sharded one is written back as v2 torch-sharded): the bytes its writer
+        # committed; never published once a stop has given start-up up
+        target.finalize(stage, replace_only_corrupt(local), gate=publishing)
     log.info("downloaded checkpoint step %d from %s to %s", step, storage.uri, final)
     return final
 
