@@ -244,13 +244,15 @@ def test_demo_on_a_disk_that_holds_keep_checkpoints_goes_on_checkpointing_to_its
         (step, step - 15, step - 5) for step in range(20, 65, 5)
     ], stderr
     assert all(abs(freed - size_mb) < 0.1 for _s, _d, freed, _n in rooms), rooms
-    # the count between the saves of steps 55 and 60: saves 20 to 55 each failed once
-    between = [
-        s for s in samples
-        if value(s, "runner_checkpoint_last_step", location="local") == 55
-        and (value(s, "runner_train_step") or 0) < 60
+    # every scrape: the saves 20 .. last committed step each failed once; the next save's
+    # first attempt may have failed already while its retry is still being written
+    counted = [
+        (int(value(s, "runner_checkpoint_last_step", location="local") or 0),
+         value(s, "runner_checkpoint_failures_total", stage="save") or 0.0)
+        for s in samples
     ]  # fmt: skip
-    assert between, f"no scrape between the saves of steps 55 and 60 ({len(samples)} in all)"
-    assert {value(s, "runner_checkpoint_failures_total", stage="save") for s in between} == {8.0}
-    assert max(value(s, "runner_checkpoint_failures_total", stage="save") or 0
-               for s in samples) <= 9.0  # fmt: skip
+    assert counted, "no scrape while the demo ran"
+    for last, failures in counted:
+        failed = max(0, (last - 15) // 5)  # the save of 20 is the first to find the disk full
+        assert failures in (failed, failed + 1), (last, failures)
+    assert any(20 <= last <= 55 for last, _ in counted), counted  # a count seen mid-run
