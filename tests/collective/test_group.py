@@ -126,12 +126,13 @@ def test_every_survivor_of_four_ranks_raises_peer_lost(
     killed_at = time.time()
     world.kill(2, signal.SIGKILL)
     for rank in (0, 1, 3):
-        done = world.wait_rank(rank, timeout=30)
+        # within 60 s of the kill, far from the group's 600 s timeout: ended by the death
+        done = world.wait_rank(rank, timeout=60)
         assert done.returncode == 1, (rank, done.stderr)
         assert f"rank {rank} of 4: a collective (agree) with the other ranks failed" in (
             done.stderr
         )
-        assert json.loads(done.stdout.splitlines()[-1])["lost_at"] - killed_at < 30
+        assert json.loads(done.stdout.splitlines()[-1])["lost_at"] - killed_at < 60
 
 
 @pytest.mark.slow

@@ -169,4 +169,8 @@ def test_sigusr1_checkpoints_both_ranks_and_they_train_on(
     s.proc.send_signal(signal.SIGTERM)
     assert s.wait(180) == 75, s.err
     steps = list_checkpoints(FileStorage(run_dir))
-    assert steps[0] == requested and len(steps) == 2 and steps[1] >= requested + 3, steps
+    # the requested checkpoint, the stop's final one and, when the forwarded signal reached
+    # the two workers on either side of a step boundary, one more at the next step (the later
+    # rank's own request, agreed one step after the first: a known straddle)
+    assert steps[0] == requested and steps[-1] >= requested + 3, steps
+    assert steps[1:-1] in ([], [requested + 1]), steps
