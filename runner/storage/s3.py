@@ -21,9 +21,8 @@ NoSuchBucket, bad keys) are never retried. A failed multipart upload is aborted 
 s3transfer; if that abort itself fails, a sweep aborts the key's uploads started by this call.
 
 Long (about 500 lines) because `S3Storage` is one thing: every method shares the client,
-the retry budget (`_call`) and the error classification. The transfer settings, the
-storage's long-lived transfer managers (`Transfers`, shut down by `close`) and the upload
-checksum are in runner.storage.s3_transfer, the error mapping in runner.storage.s3_errors.
+the retry budget (`_call`) and the error classification. The transfer settings and the
+upload checksum are in runner.storage.s3_transfer, the error mapping in runner.storage.s3_errors.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from urllib.parse import urlparse
 
 import boto3
 from botocore.config import Config
+from s3transfer.manager import TransferManager
 
 from runner.atomicity.files import CHUNK, HashingFileWriter
 from runner.errors import (
@@ -62,7 +62,6 @@ from runner.storage.s3_errors import classify, client_config_error
 from runner.storage.s3_transfer import (
     Moved,
     Progress,
-    Transfers,
     TransferSettings,
     expected_checksum,
 )
@@ -119,8 +118,6 @@ class S3Storage:
             raise
         # never holds credentials: _make_client drops any user:password@ part
         self.endpoint: str = self._client.meta.endpoint_url
-        # one long-lived manager (per lane) for every put_file / get_file; see close()
-        self.transfers = Transfers(self._client, self.settings.transfer_config())
         # None until the first verified upload tells whether the store returns checksums
         self._server_checksums: bool | None = None
         self._conditional_puts = True
@@ -169,11 +166,6 @@ class S3Storage:
 
     def local_path(self, key: str = "") -> Path | None:
         return None  # objects, not files: every access is a request
-
-    def close(self) -> None:
-        """Shut down the transfer managers (runner.storage.s3_transfer.Transfers.close): never
-        waits for a transfer still running; the storage stays usable."""
-        self.transfers.close()
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -257,15 +249,17 @@ class S3Storage:
                 started = datetime.now(UTC)
                 subscribers = [Progress(moved.touch)] + ([Progress(progress)] if progress else [])
                 try:
-                    self.transfers.run(
-                        lambda manager: manager.upload(
+                    with TransferManager(
+                        self._client, config=self.settings.transfer_config()
+                    ) as manager:
+                        future = manager.upload(
                             str(src),
                             self.bucket,
                             full_key,
                             extra_args={"ChecksumAlgorithm": "SHA256"},
                             subscribers=subscribers,
                         )
-                    )
+                        future.result()
                 except BaseException:
                     if size >= self.settings.multipart_threshold:
                         self._abort_multipart(full_key, since=started)
@@ -397,11 +391,12 @@ class S3Storage:
         def download() -> None:
             subscribers = [Progress(moved.touch)] + ([Progress(progress)] if progress else [])
             with HashingFileWriter(dst) as writer:
-                self.transfers.run(
-                    lambda manager: manager.download(
+                with TransferManager(
+                    self._client, config=self.settings.transfer_config()
+                ) as manager:
+                    manager.download(
                         self.bucket, full_key, cast(Any, writer), subscribers=subscribers
-                    )
-                )
+                    ).result()
                 check_download(
                     f"{self.uri}/{key}",
                     got_size=writer.size,
