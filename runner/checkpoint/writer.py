@@ -64,9 +64,10 @@ class CommittedCheckpoint:
     step: int
     path: Path
     manifest: Manifest
-    bucket_only: bool = False
-    """Committed in the mirror alone, by the ranks of several nodes (runner.mirror.nodes):
-    `path` is where it would be locally, and holds nothing; `manifest` is the local form."""
+    store_uri: str | None = None
+    """None: committed in `path`. A store's URI: committed there alone, by the ranks of
+    several nodes (runner.mirror.nodes); `path` is where it would be locally and holds
+    nothing, `manifest` is the local form."""
 
 
 class CheckpointWriter:

@@ -133,7 +133,7 @@ class Mirror:
     def upload_now(self, ckpt: CommittedCheckpoint, *, deadline: float | None = None) -> bool:
         """Upload in the caller's time, within `deadline` (a time.monotonic() instant).
         Returns whether the checkpoint is durable in the mirror; the log says which."""
-        if ckpt.bucket_only:
+        if ckpt.store_uri is not None:
             # the ranks of several nodes committed it there: durable already, whatever the
             # deadline (retention waits for the next run's first upload)
             self._upload(ckpt)  # bookkeeping only: no store call
@@ -227,7 +227,8 @@ class Mirror:
     def _upload(self, ckpt: CommittedCheckpoint) -> None:
         started = time.monotonic()
         try:
-            if not ckpt.bucket_only:  # one the ranks of several nodes committed here already
+            # a checkpoint the ranks of several nodes committed in the store is there already
+            if ckpt.store_uri is None:
                 upload_checkpoint(
                     self.storage,
                     ckpt.path,

@@ -89,7 +89,7 @@ def commit_to_bucket(
     bucket: NodeBucket,
 ) -> CommittedCheckpoint:
     """COLLECTIVE: commit one checkpoint of every rank's part in the mirror (module
-    docstring); returns it on every rank (`bucket_only`), or raises on every rank."""
+    docstring); returns it on every rank (its `store_uri` the mirror), or raises on every rank."""
     attempt = new_attempt_id(bucket.writer_id) if group.rank == 0 else ""
     attempt = group.broadcast(attempt)
     base = f"{checkpoint_key(meta.step)}/{attempt}"
@@ -141,7 +141,7 @@ def commit_to_bucket(
         step=meta.step,
         path=writer.ckpt_dir / step_dir_name(meta.step),
         manifest=manifest,
-        bucket_only=True,
+        store_uri=bucket.storage.uri,
     )
     group.broadcast(committed)
     return committed

@@ -69,6 +69,9 @@ class ResumePoint(Generic[T]):
     checkpoint: CommittedCheckpoint
     loaded: T
     from_mirror: bool = False
+    remote: Manifest | None = None
+    """The mirror's manifest as stored, for a checkpoint committed there alone (by the ranks
+    of several nodes): each rank fetches the files it reads from it when it loads."""
 
     @property
     def step(self) -> int:
@@ -212,7 +215,7 @@ def report_resume(
     if metrics is not None:
         if point is not None and attempt == 1:
             created = created_at_unix(point.manifest.created_at) or time.time()
-            where = "remote" if point.checkpoint.bucket_only else "local"  # several nodes
+            where = "remote" if point.checkpoint.store_uri is not None else "local"  # several nodes
             metrics.checkpoint_found(location=where, step=point.step, created_at=created)
         if point is not None or attempt > 1:
             metrics.resumed(steps_lost=lost)
@@ -234,7 +237,7 @@ def report_resume(
 
 
 def _resumed_where(point: ResumePoint[Any]) -> str:
-    if not point.checkpoint.bucket_only:
+    if point.checkpoint.store_uri is None:
         return str(point.step_dir)
     if point.manifest.format == FORMAT_DCP:
         return "the mirror (each rank fetched the files it reads)"

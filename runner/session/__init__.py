@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runner.session.checkpointer import TrainState
+    from runner.session.capture import TrainState
     from runner.session.train_session import TrainSession
 
 # each public name and the module that defines it
 _HOMES = {
     "TrainSession": "runner.session.train_session",
-    "TrainState": "runner.session.checkpointer",
+    "TrainState": "runner.session.capture",
 }
 __all__ = ["TrainSession", "TrainState"]
 

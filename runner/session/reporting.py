@@ -72,11 +72,11 @@ def report_left_by_exit(
 
 
 def durable_where(
-    *, startup_given_up: bool, mirror: bool, landed: bool | None, bucket_only: bool = False
+    *, startup_given_up: bool, mirror: bool, landed: bool | None, in_store: bool = False
 ) -> str:
     """Where a stop's final checkpoint is: local, and the mirror when its upload landed; the
     mirror alone for one the ranks of several nodes committed there."""
-    if bucket_only:
+    if in_store:
         return "the mirror (committed there by the ranks of every node)"
     if startup_given_up:
         return "local (mirror not contacted: start-up was given up on)"

@@ -12,9 +12,10 @@ Signal handlers are not installed here: the entry point installs them and hands 
 StopController. All work (saving, uploading) happens inside `step_done` and `finish`, at step
 boundaries of the caller's loop.
 
-The module is over 300 lines because the class is the whole in-process API, read in one
-place; its parts live beside it: saving in session/checkpointer.py, the resolver and mirror
-wiring of a resume in session/resume.py, what the end says in session/reporting.py.
+The class is the whole in-process API, read in one place; its parts live beside it: what
+differs between one process, ranks on one node and ranks on several nodes in
+session/placement.py, saving in session/checkpointer.py, the resolver and mirror wiring of a
+resume in session/resume.py, what the end says in session/reporting.py.
 """
 
 from __future__ import annotations
@@ -28,44 +29,24 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from runner.checkpoint.layout import CHECKPOINTS_DIR, step_dir_name
+from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.loss_log import LossLog
-from runner.checkpoint.manifest import FORMAT_DCP, Manifest
 from runner.checkpoint.room import Room, make_room
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
-from runner.collective.group import SINGLE, Group
+from runner.collective.group import Group
 from runner.config import RunConfig
-from runner.errors import (
-    EXIT_FAILURE,
-    CheckpointWriteError,
-    ConfigError,
-    IntegrityError,
-    RunnerError,
-    SchemaError,
-)
+from runner.errors import EXIT_FAILURE, CheckpointWriteError, RunnerError
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.policy import SavePolicy
-from runner.preemption.startup import StartupInterrupted, run_interruptible
+from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
-from runner.runtime.lifecycle import ResumePoint, end_run, report_resume, stop_deadline
+from runner.runtime.lifecycle import ResumePoint, end_run, report_resume
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, run_services
-from runner.session.checkpointer import (
-    IN_BUCKET,
-    Checkpointer,
-    PendingSave,
-    Snapshot,
-    TrainState,
-)
-from runner.session.coordination import (
-    PEER_STOP,
-    agree_on_settings,
-    agree_on_step,
-    decided_on_primary,
-    resolve_on_primary,
-    target_samples,
-)
+from runner.session.checkpointer import Checkpointer, PendingSave, Snapshot, TrainState
+from runner.session.coordination import agree_on_settings, target_samples
+from runner.session.placement import placement_for, ranks_group
 from runner.session.rebase import rebase
 from runner.session.reporting import (
     durable_where,
@@ -80,7 +61,6 @@ from runner.state.train_state import Counters
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
-    from runner.mirror.nodes import NodeBucket
 
 log = logging.getLogger(__name__)
 
@@ -88,31 +68,15 @@ log = logging.getLogger(__name__)
 __all__ = ["TrainSession", "TrainState"]  # TrainState lives with the checkpointer
 
 
-def ranks_group(rank: RankContext, config: RunConfig) -> Group:
-    """The ranks' own channel for a coordinated launch of several ranks, else SINGLE."""
-    if not rank.coordinated or rank.world_size == 1:
-        return SINGLE
-    from runner.collective.group import dedicated_group
-
-    group = dedicated_group(timeout_s=config.collective_timeout)
-    if (group.rank, group.world_size) != (rank.rank, rank.world_size):
-        raise ConfigError(
-            f"torch.distributed has rank {group.rank} of {group.world_size}, the launch "
-            f"environment says {rank.rank} of {rank.world_size}: initialise the process group "
-            "from the launcher's environment (init_process_group() under torchrun)"
-        )
-    return group
-
-
-def _saving(background: bool, save_group: Group) -> dict[str, Any]:
-    """The Checkpointer's arguments for a save mode: a background saver with host buffers
-    and the save group, or the sync saver (the loop's own group)."""
+def _saving(background: bool) -> dict[str, Any]:
+    """The Checkpointer's arguments for a save mode: a background saver with host buffers,
+    or the sync saver."""
     if not background:
         return {}
     from runner.session.background import BackgroundSaver
     from runner.state.host_copy import HostBuffers
 
-    return {"saver": BackgroundSaver, "snapshot_to": HostBuffers(), "save_group": save_group}
+    return {"saver": BackgroundSaver, "snapshot_to": HostBuffers()}
 
 
 def _global_batch(state: TrainState) -> int | None:
@@ -164,20 +128,14 @@ class TrainSession:
         # checkpoint: ranks given different settings all refuse to start
         try:
             agree_on_settings(self.group, config, node=rank.node_rank, job_settings=job_settings)
+            # what differs between one process, ranks on one node and ranks on several
+            self.placement = placement_for(rank, config, stop=self.stop, group=self.group)
         except BaseException:
             self._owned.close()  # no session to close: the run dir lock and services
             raise
         self.background = config.save_mode == "async"
-        # a background save's collectives run beside the loop's: a channel of their own
-        save_group = self.group
-        if self.background and not self.group.single:
-            from runner.collective.group import dedicated_group
-
-            save_group = dedicated_group(timeout_s=config.collective_timeout)
         self.metrics: RunnerMetrics | None = services.metrics
         self.mirror: Mirror | None = services.mirror
-        # several nodes, each on its own disk: checkpoints are committed in the mirror
-        self.bucket = self._node_bucket() if rank.multi_node and not self.group.single else None
         self.run_dir = Path(config.run_dir)
         self.ckpt_dir = self.run_dir / CHECKPOINTS_DIR
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -202,9 +160,8 @@ class TrainSession:
             before_capture=self.loss_log.sync,
             on_failure=self._save_failed,
             make_room=self._make_room,
-            group=self.group,
-            bucket=self.bucket,
-            **_saving(self.background, save_group),
+            placement=self.placement,
+            **_saving(self.background),
         )
         self.last_checkpoint: CommittedCheckpoint | None = None
         self.resumed_checkpoint: CommittedCheckpoint | None = None
@@ -216,9 +173,6 @@ class TrainSession:
         self.startup_given_up = False
         # steps committed or resumed from by this process: retention need not re-hash them
         self._known_good: set[int] = set()
-        # several ranks: what they agreed at the last step boundary (should_stop reads it,
-        # never the local stop alone, so every rank leaves the loop after the same step)
-        self._agreed_stop = False
         # the run's length in samples, when it is fixed by them (runner.session.coordination)
         self.target_samples: int | None = None
         # after a resume at another world size: the history's length when it was loaded
@@ -240,30 +194,6 @@ class TrainSession:
                 run_services(self.config, self.stop, rank=self.rank)
             )
         return services
-
-    def _node_bucket(self) -> NodeBucket:
-        """Every rank's handle on the mirror for a job on several nodes (each rank uploads
-        and fetches its own files); --mirror is required there."""
-        from runner.mirror.nodes import NodeBucket
-        from runner.storage import open_storage
-
-        # the ranks agreed on --mirror at start: all of them refuse alike when it is none
-        if self.config.mirror is None:
-            raise ConfigError(
-                f"this job runs on several nodes ({self.rank.world_size} ranks, "
-                f"{self.rank.local_world_size} on this one) and has no --mirror: with each "
-                "node on its own disk the mirror is the only place a checkpoint of every "
-                "rank can be committed. Give every node the same --mirror (s3://bucket/run)"
-            )
-        storage = open_storage(
-            self.config.mirror, store_timeout_s=self.config.store_timeout, give_up_once=False
-        )
-        grace = self.config.grace_seconds
-        return NodeBucket(
-            storage=storage,
-            writer_id=self.config.writer_id,
-            deadline=lambda: stop_deadline(self.stop, grace_seconds=grace),
-        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -291,7 +221,7 @@ class TrainSession:
             isinstance(exc, SystemExit)
             and exc.code in (None, 0)
             and self.exit_code is None
-            and (self.stop.stop_requested or self._agreed_stop)
+            and (self.stop.stop_requested or self.placement.stopping)
         ):
             # A framework's own SIGTERM handler (PyTorch Lightning's SIGTERMException) left the
             # block: exit 0 would tell the orchestrator the job is done. Nothing is saved: the
@@ -346,9 +276,7 @@ class TrainSession:
     def should_stop(self) -> bool:
         """True once the loop must end: the run is complete or a stop was requested (with
         several ranks: a stop they agreed on at the last step boundary)."""
-        if not self.group.single:
-            return self.target_reached or self._agreed_stop
-        return self.target_reached or self.stop.stop_requested
+        return self.target_reached or self.placement.stopping
 
     # -- resume -------------------------------------------------------------------------------
 
@@ -359,12 +287,11 @@ class TrainSession:
         (runner.preemption.startup):
         then nothing is restored or trained, `should_stop` is true and `finish()` exits 75
         without saving or uploading anything; every checkpoint stays as it was."""
-        if self.rank.acts_as_primary or (self.bucket is not None and self.rank.is_local_primary):
-            self.writer.cleanup_partial()  # several nodes: each cleans its own disk
-        if self.bucket is not None and self.rank.is_local_primary:
-            self._warn_local_checkpoints()
+        if self.placement.cleans_partials(self.rank):
+            self.writer.cleanup_partial()
+        self.placement.before_resume(self.rank, self.ckpt_dir)
         try:
-            point = self._load_newest()
+            point = self.placement.newest(self._read_newest, self.checkpointer.read)
         except StartupInterrupted as exc:
             self._give_up_startup(exc)
             self._agree_startup()
@@ -373,11 +300,10 @@ class TrainSession:
         if point is None:
             self._from_scratch()
             return None
-        if self.bucket is not None:
-            point, counters = self._resume_from_bucket(point, self.bucket)
-        else:
-            counters = self._resume_from(point)
-        if self.mirror is not None and not point.checkpoint.bucket_only:
+        point, counters = self.placement.resume(
+            point, load=self._resume_from, chosen=self._set_target, read=self.checkpointer.read
+        )
+        if self.mirror is not None and point.checkpoint.store_uri is None:
             try:
                 keep_mirrored(point, mirror=self.mirror, stop=self.stop, metrics=self.metrics)
             except StartupInterrupted as exc:
@@ -392,25 +318,9 @@ class TrainSession:
                 primary=self.rank.acts_as_primary,
                 save=lambda: self.save(reason="rescaled"),
                 mirror=self.mirror,
-                only_copy=self.bucket is not None,
+                only_copy=self.placement.store_uri is not None,
             )
         return counters.step
-
-    def _warn_local_checkpoints(self) -> None:
-        """Several nodes resume from the mirror alone: a checkpoint committed in this run
-        dir (by an earlier run on one node) is not used, and says so."""
-        from runner.checkpoint.writer import committed_steps
-
-        steps = committed_steps(self.ckpt_dir)
-        if steps:
-            log.warning(
-                "%s holds checkpoint(s) %s committed by a run on one node; a job on several "
-                "nodes resumes from the mirror only and leaves them alone. If one is newer "
-                "than the mirror's newest, `runner push %s MIRROR` first",
-                self.ckpt_dir,
-                ", ".join(map(str, steps)),
-                self.run_dir,
-            )
 
     def _from_scratch(self) -> None:
         # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
@@ -426,43 +336,10 @@ class TrainSession:
         self.policy = self._policy(start_step=0)
         self._agree_startup()
 
-    def _resume_from_bucket(
-        self, point: ResumePoint[dict[str, Any]], bucket: NodeBucket
-    ) -> tuple[ResumePoint[dict[str, Any]], Counters]:
-        """Several nodes: load `point`, or when it does not verify or load (on every rank
-        alike: runner.mirror.nodes.raise_on_all) the next older one. A store that may
-        recover is not a refusal: raised (exit 1)."""
-        refused: dict[int, BaseException] = {}
-        current: ResumePoint[dict[str, Any]] | None = point
-        while current is not None:
-            try:
-                return current, self._resume_from(current)
-            except (IntegrityError, SchemaError) as exc:
-                if self.rank.acts_as_primary:
-                    log.warning("not resuming from step %d: %s", current.step, exc)
-                refused[current.step] = exc
-            current = self._newest_in_bucket(bucket, refused=refused)  # every rank
-            self._set_target(current)
-        # --fresh-start set every one aside, but this state was partly loaded from one
-        raise RunnerError(
-            "every checkpoint in the mirror was set aside (--fresh-start) after one failed "
-            "to load into this process: start the job again to begin at step 0"
-        )
-
     def _agree_startup(self) -> None:
         """Several ranks: start-up given up on one (rank 0's store work) is given up on all,
-        so that none trains alone."""
-        if self.group.single:
-            return
-        given_up, stopping = self.group.agree(
-            (int(self.startup_given_up), int(self.stop.stop_requested))
-        )
-        if given_up and not self.startup_given_up:
-            self.startup_given_up = True
-        if (given_up or stopping) and not self.stop.stop_requested:
-            self.stop.request_stop(PEER_STOP)
-        # a stop that came while the ranks resumed ends the run before its first step
-        self._agreed_stop = bool(given_up or stopping)
+        so that none trains alone (runner.session.placement)."""
+        self.startup_given_up = self.placement.agree_startup(given_up=self.startup_given_up)
 
     def _set_target(self, point: ResumePoint[dict[str, Any]] | None) -> None:
         """Fix the run's length in samples when it matters: several ranks now, or a
@@ -470,7 +347,7 @@ class TrainSession:
         manifest = point.manifest if point is not None else None
         carried = manifest is not None and "target_samples" in manifest.extra
         resized = manifest is not None and manifest.world_size != self.state.counters.world_size
-        if self.group.single and not carried and not resized:
+        if not self.placement.fixes_length_in_samples and not carried and not resized:
             return  # a single-process run: --steps, as it always was
         self.target_samples = target_samples(
             steps=self.config.steps, global_batch=_global_batch(self.state), resumed=manifest
@@ -491,9 +368,7 @@ class TrainSession:
         """Load what the resolver's worker read into the live objects, on this thread
         (Checkpointer.read only read it); the run continues as the checkpoint's run."""
         try:
-            counters = self.checkpointer.load_point(
-                self.state, point.step_dir, point.manifest, point.loaded
-            )
+            counters = self.placement.load(self.state, point, writer=self.writer)
         except RunnerError:
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("restore")
@@ -529,51 +404,6 @@ class TrainSession:
     def _give_up_startup(self, exc: StartupInterrupted) -> None:
         self.startup_given_up = True
         report_startup_given_up(exc, resumed_from=self.resumed_from, ckpt_dir=self.ckpt_dir)
-
-    def _load_newest(self) -> ResumePoint[dict[str, Any]] | None:
-        if self.bucket is not None:
-            return self._newest_in_bucket(self.bucket)
-        if not self.group.single:
-            return resolve_on_primary(self.group, self._read_newest, self.checkpointer.read)
-        return self._read_newest()
-
-    def _newest_in_bucket(
-        self, bucket: NodeBucket, *, refused: dict[int, BaseException] | None = None
-    ) -> ResumePoint[dict[str, Any]] | None:
-        """Several nodes: rank 0 picks the mirror's newest whole checkpoint (given up on by
-        a stop), every rank learns its manifest; `_resume_from` then fetches what each
-        rank reads. The run dirs hold no checkpoint (runner.mirror.nodes)."""
-        from runner.mirror.nodes import fetch_whole, newest_in_bucket
-        from runner.mirror.remote_layout import to_local
-
-        def find() -> Manifest | None:
-            fresh = self.config.fresh_start
-            return run_interruptible(
-                lambda: newest_in_bucket(bucket.storage, fresh_start=fresh, refused=refused),
-                stop=self.stop,
-                what=f"looking for the newest checkpoint in {bucket.storage.uri}",
-            )
-
-        remote = decided_on_primary(self.group, find)
-        if remote is None:
-            return None
-        local = to_local(remote, source=f"{bucket.storage.uri}: step {remote.step}")
-        checkpoint = CommittedCheckpoint(
-            step=remote.step,
-            path=self.ckpt_dir / step_dir_name(remote.step),
-            manifest=local,
-            bucket_only=True,
-        )
-        loaded: dict[str, Any] = {IN_BUCKET: remote}
-        if local.format != FORMAT_DCP:  # one process wrote it: every rank reads it whole
-            loaded = fetch_whole(
-                bucket,
-                remote.step,
-                into=self.ckpt_dir,
-                read=lambda step_dir: self.checkpointer.read(step_dir, local),
-                group=self.group,
-            )
-        return ResumePoint(checkpoint=checkpoint, loaded=loaded, from_mirror=True)
 
     def _read_newest(self) -> ResumePoint[dict[str, Any]] | None:
         return read_newest(
@@ -611,23 +441,12 @@ class TrainSession:
         if self.metrics is not None:
             self.metrics.train_step(counters.step)
         self._report_background_failure()
-        if not self.group.single:
-            decision = agree_on_step(
-                self.group,
-                stop=self.stop,
-                policy=self.policy,
-                step=counters.step,
-                grace_seconds=self.config.grace_seconds,
-                clock=time.monotonic,
-            )
-            self._agreed_stop = decision.stop
-            reason = decision.save_reason
-        else:
-            reason = None
+        self.placement.step_ended(
+            step=counters.step, policy=self.policy, grace_seconds=self.config.grace_seconds
+        )
         if self.should_stop:
             return True  # the final checkpoint is written by finish()
-        if self.group.single:
-            reason = self.stop.take_checkpoint_request() or self.policy.due(counters.step)
+        reason = self.placement.save_reason(step=counters.step, policy=self.policy)
         if reason is not None:
             try:
                 self._start_save(reason=reason)  # committed in the background (async)
@@ -712,7 +531,7 @@ class TrainSession:
                 duration,
                 snapshot.reason,
                 committed.manifest.total_bytes / 1e6,
-                f", {committed.manifest.world_size} ranks" if not self.group.single else "",
+                f", {committed.manifest.world_size} ranks" if self.placement.several_ranks else "",
                 f"async, copied in {snapshot.copy_seconds * 1e3:.0f} ms"
                 if self.background
                 else "sync",
@@ -746,7 +565,7 @@ class TrainSession:
         One process only: the ranks of a multi-rank commit would all have to agree."""
         from runner.storage.file import FileStorage
 
-        if not self.group.single or self.bucket is not None or not self.rank.acts_as_primary:
+        if not self.placement.makes_room or not self.rank.acts_as_primary:
             return None
         protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
         return make_room(FileStorage(self.run_dir), protect=protect, known_good=self._known_good)
@@ -759,8 +578,7 @@ class TrainSession:
         0 when the run reached its step target, 75 when it stopped on request (SIGTERM, a
         preemption notice) with the final checkpoint committed.
         """
-        requested = self._agreed_stop if not self.group.single else self.stop.stop_requested
-        stopped = requested and not self.target_reached
+        stopped = self.placement.stopping and not self.target_reached
         started = time.monotonic()
         ckpt = self._save_final(reason="stop" if stopped else "final")
         self.final_save_seconds = time.monotonic() - started
@@ -774,17 +592,14 @@ class TrainSession:
             stopped=stopped,
         )
         self.final_upload_landed = ending.landed
-        if not self.group.single:
-            # every rank waits for rank 0's final upload: torchrun stops the others (SIGTERM,
-            # SIGKILL 30 s later) as soon as one rank exits
-            self.group.barrier()
+        self.placement.after_final()  # several ranks wait for rank 0's final upload
         elapsed = time.monotonic() - started
         if stopped:
             where = durable_where(
                 startup_given_up=self.startup_given_up,
                 mirror=self.mirror is not None,
                 landed=self.final_upload_landed,
-                bucket_only=ckpt is not None and ckpt.bucket_only,
+                in_store=ckpt is not None and ckpt.store_uri is not None,
             )
             report_stop(
                 ckpt,

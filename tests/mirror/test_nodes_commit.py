@@ -90,7 +90,7 @@ def _worker(base: str) -> None:
         bucket = NodeBucket(storage=storage, writer_id="test")
         try:
             done = commit_to_bucket(writer, part, meta=meta, group=group, bucket=bucket)
-            outcome: dict[str, Any] = {"step": done.step, "bucket_only": done.bucket_only}
+            outcome: dict[str, Any] = {"step": done.step, "in_store": done.store_uri is not None}
         except Exception as exc:
             outcome = {"error": type(exc).__name__, "message": str(exc)}
         # both ranks are past the outcome's broadcast: rank 0's clean-up has ended
@@ -147,7 +147,7 @@ def test_commit_to_bucket_on_two_ranks_fake_faults_conflict_and_load(
 
     # step 2: committed on both ranks, in the bucket only (no staging dir left on a node)
     for r in reports:
-        assert r["first"] == {"step": 2, "bucket_only": True, "ckpt_dir": []}, r
+        assert r["first"] == {"step": 2, "in_store": True, "ckpt_dir": []}, r
     first = verify_checkpoint(bucket, 2)
     attempt = first.extra["mirror_attempt"]
     assert (first.world_size, first.format, first.samples_seen) == (2, FORMAT_DCP, 16)
@@ -177,7 +177,7 @@ def test_commit_to_bucket_on_two_ranks_fake_faults_conflict_and_load(
 
     # step 4's manifest landed, its answer lost: committed on both, kept whole
     for r in reports:
-        assert r["answer_lost"] == {"step": 4, "bucket_only": True, "ckpt_dir": []}, r
+        assert r["answer_lost"] == {"step": 4, "in_store": True, "ckpt_dir": []}, r
     fourth = verify_checkpoint(bucket, 4)
     kept = fourth.extra["mirror_attempt"]
     assert (fourth.world_size, fourth.samples_seen) == (2, 32)
@@ -187,7 +187,7 @@ def test_commit_to_bucket_on_two_ranks_fake_faults_conflict_and_load(
     # the same state saved at step 4 again (another attempt, so another DCP index): a
     # duplicate, committed on both; the first attempt stays, the second's objects are gone
     for r in reports:
-        assert r["same_again"] == {"step": 4, "bucket_only": True, "ckpt_dir": []}, r
+        assert r["same_again"] == {"step": 4, "in_store": True, "ckpt_dir": []}, r
     assert verify_checkpoint(bucket, 4) == fourth
     assert _keys(bucket, 4) == sorted(
         [manifest_key(4), *(f"{checkpoint_key(4)}/{kept}/{n}" for n in names)]

@@ -14,7 +14,7 @@ import pytest
 
 PUBLIC = [
     ("runner.session", "TrainSession", "runner.session.train_session"),
-    ("runner.session", "TrainState", "runner.session.checkpointer"),
+    ("runner.session", "TrainState", "runner.session.capture"),
     ("runner.state", "ModuleTrainState", "runner.state.train_state"),
     ("runner.state", "ResumableSampler", "runner.state.sampler"),
     ("runner.state", "Counters", "runner.state.counters"),
