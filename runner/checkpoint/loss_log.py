@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,8 @@ class LossLog:
         self._failing_since: float | None = None
         self._failed_attempts = 0
         self._dropped = 0
+        # a resume at another world size: the history's length when it was loaded
+        self._history_logged: int | None = None
 
     @property
     def pending_lines(self) -> int:
@@ -168,6 +170,20 @@ class LossLog:
         self._failing_since = None
         self._failed_attempts = 0
         self._dropped = 0
+
+    def follow_history(self, length: int) -> None:
+        """After a resume at another world size the loss history's index is no step of this
+        run: `append_newest` then appends each entry past `length` as it comes."""
+        self._history_logged = length
+
+    def append_newest(self, step: int, history: Sequence[float]) -> None:
+        """The loss of the step just taken (the newest in `history`), once."""
+        if self._history_logged is None:  # the history's index is the step
+            if history and len(history) >= step:
+                self.append(step, history[step - 1])
+        elif len(history) > self._history_logged:
+            self.append(step, history[-1])
+            self._history_logged = len(history)
 
     def append(self, step: int, loss: float, *, restored_from: str | None = None) -> None:
         """Record the loss of update number `step` (1-based). `restored_from` marks a line

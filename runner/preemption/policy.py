@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from runner.config import RunConfig
 from runner.errors import ConfigError
 
 REASON_STEPS = "steps"
@@ -34,6 +35,17 @@ class SavePolicy:
         self._clock = clock
         self._last_step = start_step
         self._last_time = clock()
+
+    @classmethod
+    def of_run(cls, config: RunConfig, *, primary: bool, start: int = 0) -> SavePolicy:
+        """The run's cadence from `start`. The seconds cadence is the primary's alone (wall
+        clocks differ between ranks): the others learn its decision in the step's agreement
+        (runner.session.coordination)."""
+        return cls(
+            every_steps=config.ckpt_every,
+            every_seconds=config.ckpt_every_seconds if primary else None,
+            start_step=start,
+        )
 
     @property
     def last_saved_step(self) -> int:

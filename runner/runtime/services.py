@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.config import RunConfig
@@ -16,6 +17,7 @@ from runner.metrics.registry import RunnerMetrics
 from runner.metrics.server import maybe_serve_metrics
 from runner.preemption.notices import start_notice_poller
 from runner.preemption.stop import StopController
+from runner.runtime import runlock
 from runner.runtime.lifecycle import stop_deadline
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 
@@ -86,3 +88,23 @@ def close_mirror(mirror: Mirror, stop: StopController, *, grace_seconds: float) 
         mirror.close()
         return
     mirror.close(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def lock_and_serve(
+    owned: contextlib.ExitStack,
+    config: RunConfig,
+    stop: StopController,
+    rank: RankContext,
+    services: Services | None,
+) -> tuple[runlock.RunDirLock | None, Services]:
+    """An in-process run's start: the run dir's lock (one writer per run dir: a second
+    process on it exits 2 naming this one; taken before the services start and before
+    anything is written there), then `services` or those the config asks for. Both are
+    released when `owned` closes, the lock last; by the kernel if the process dies. Of a
+    coordinated launch's ranks, the node's local rank 0 holds the lock for all of them."""
+    lock = None
+    if not rank.coordinated or rank.is_local_primary:
+        lock = owned.enter_context(runlock.acquire(Path(config.run_dir), command="TrainSession"))
+    if services is None:
+        services = owned.enter_context(run_services(config, stop, rank=rank))
+    return lock, services

@@ -38,7 +38,7 @@ from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest
 from runner.checkpoint.room import Room, out_of_space
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
-from runner.errors import RunnerError
+from runner.errors import CheckpointWriteError, RunnerError
 from runner.preemption.stop import StopController
 from runner.session.capture import (
     LoadsInto,
@@ -207,6 +207,18 @@ class Checkpointer:
     def take_failure(self) -> tuple[int, BaseException] | None:
         """A background save's failure, once (see `Saver.take_failure`)."""
         return self.saver.take_failure()
+
+    def raise_failures(self) -> None:
+        """Say once that a background save could not be written (its failure metric is
+        counted already): the previous checkpoint stands and training goes on, as after a
+        failed sync save. Any other failure is raised, as a sync save would have."""
+        while (failure := self.take_failure()) is not None:
+            _step, exc = failure
+            if not isinstance(exc, CheckpointWriteError):
+                # anything else (a lost peer, a bug, an object that cannot be saved) ends the
+                # run here as it would have inside a sync save
+                raise exc
+            log.error("%s; training continues", exc)
 
     def persist(self, snapshot: Snapshot) -> CommittedCheckpoint:
         """The saver's half: commit the snapshot, then bookkeeping, retention, mirror. Only

@@ -53,7 +53,10 @@ def report_left_by_exit(
     ckpt: CommittedCheckpoint | None, *, reason: str | None, step: int, ckpt_dir: Path
 ) -> None:
     """A `with TrainSession` block left by SystemExit (no code, or 0) after a stop was
-    requested: the run did not finish, and no final checkpoint was written."""
+    requested, e.g. by a framework's own SIGTERM handler (PyTorch Lightning's
+    SIGTERMException): the run did not finish (exit 0 would tell the orchestrator the job is
+    done), and no final checkpoint was written (the optimizer may have stepped after the
+    last step_done())."""
     stands = (
         f"checkpoint step {ckpt.step} ({ckpt.path}) stands"
         if ckpt is not None
@@ -72,15 +75,19 @@ def report_left_by_exit(
 
 
 def durable_where(
-    *, startup_given_up: bool, mirror: bool, landed: bool | None, in_store: bool = False
+    ckpt: CommittedCheckpoint | None,
+    *,
+    startup_given_up: bool,
+    mirror: object | None,
+    landed: bool | None,
 ) -> str:
     """Where a stop's final checkpoint is: local, and the mirror when its upload landed; the
     mirror alone for one the ranks of several nodes committed there."""
-    if in_store:
+    if ckpt is not None and ckpt.store_uri is not None:
         return "the mirror (committed there by the ranks of every node)"
     if startup_given_up:
         return "local (mirror not contacted: start-up was given up on)"
-    if not mirror:
+    if mirror is None:
         return "local"
     return "local + mirror" if landed else "local only (mirror upload did NOT land)"
 

@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.manifest import created_at_unix
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.startup import run_interruptible
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import ResumePoint, find_resume
+from runner.runtime.lifecycle import ResumePoint, find_resume, report_resume
 from runner.session.checkpointer import Checkpointer
+from runner.state.counters import Counters
 
 if TYPE_CHECKING:
     from runner.mirror import Mirror
@@ -72,3 +74,51 @@ def keep_mirrored(
     # anywhere, so it goes up now rather than never
     log.info("checkpoint step %d is not in the mirror yet: uploading it", point.step)
     mirror.submit(point.checkpoint)
+
+
+def report_resumed(
+    point: ResumePoint[Any],
+    counters: Counters,
+    *,
+    run_dir: Path,
+    history: list[float],
+    steps: int | None,
+    loss_log: LossLog,
+    metrics: RunnerMetrics | None,
+    announce: bool,
+) -> None:
+    """The lines and metrics of a resume from `point`, loaded as `counters`."""
+    if steps is not None and counters.step > steps:
+        log.warning(
+            "the run is already at step %d, past --steps %d: nothing to train", counters.step, steps
+        )
+    resized = point.manifest.world_size != counters.world_size
+    if resized:  # the history's index is no longer this run's step
+        loss_log.follow_history(len(history))
+    report_resume(
+        point,
+        run_dir=run_dir,
+        loss_log=loss_log,
+        metrics=metrics,
+        # the history counts steps of the world size that wrote it: after a rescale its
+        # indices are no step numbers of this run's loss.jsonl, so nothing is backfilled
+        history=history if not resized else None,
+        counters=counters,
+        announce=announce,
+        logger=log,
+    )
+
+
+def report_from_scratch(
+    run_dir: Path, *, loss_log: LossLog, metrics: RunnerMetrics | None, announce: bool
+) -> None:
+    # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
+    report_resume(
+        None,
+        run_dir=run_dir,
+        loss_log=loss_log,
+        metrics=metrics,
+        mark_from_scratch=False,
+        announce=announce,
+        logger=log,
+    )

@@ -12,10 +12,9 @@ Signal handlers are not installed here: the entry point installs them and hands 
 StopController. All work (saving, uploading) happens inside `step_done` and `finish`, at step
 boundaries of the caller's loop.
 
-The class is the whole in-process API, read in one place; its parts live beside it: what
-differs between one process, ranks on one node and ranks on several nodes in
-session/placement.py, saving in session/checkpointer.py, the resolver and mirror wiring of a
-resume in session/resume.py, what the end says in session/reporting.py.
+Its parts live beside it: what differs between one process, ranks on one node and ranks on
+several nodes in session/placement.py, saving in checkpointer.py and saves.py, a resume's
+resolver and mirror wiring in resume.py, what the end says in reporting.py.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.loss_log import LossLog
-from runner.checkpoint.room import Room, make_room
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import Group
 from runner.config import RunConfig
@@ -40,12 +38,12 @@ from runner.metrics.registry import RunnerMetrics
 from runner.preemption.policy import SavePolicy
 from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
-from runner.runtime import runlock
-from runner.runtime.lifecycle import ResumePoint, end_run, report_resume
+from runner.runtime.lifecycle import ResumePoint, end_run
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
-from runner.runtime.services import Services, run_services
-from runner.session.checkpointer import Checkpointer, PendingSave, Snapshot, TrainState
-from runner.session.coordination import agree_on_settings, target_samples
+from runner.runtime.services import Services, lock_and_serve
+from runner.session.checkpointer import PendingSave, TrainState
+from runner.session.coordination import agree_on_settings
+from runner.session.length import carried_length, fixed_length, steps_of
 from runner.session.placement import placement_for, ranks_group
 from runner.session.rebase import rebase
 from runner.session.reporting import (
@@ -54,9 +52,14 @@ from runner.session.reporting import (
     report_not_mirrored,
     report_startup_given_up,
     report_stop,
-    write_error,
 )
-from runner.session.resume import keep_mirrored, read_newest
+from runner.session.resume import (
+    keep_mirrored,
+    read_newest,
+    report_from_scratch,
+    report_resumed,
+)
+from runner.session.saves import Saves
 from runner.state.train_state import Counters
 
 if TYPE_CHECKING:
@@ -66,24 +69,6 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["TrainSession", "TrainState"]  # TrainState lives with the checkpointer
-
-
-def _saving(background: bool) -> dict[str, Any]:
-    """The Checkpointer's arguments for a save mode: a background saver with host buffers,
-    or the sync saver."""
-    if not background:
-        return {}
-    from runner.session.background import BackgroundSaver
-    from runner.state.host_copy import HostBuffers
-
-    return {"saver": BackgroundSaver, "snapshot_to": HostBuffers()}
-
-
-def _global_batch(state: TrainState) -> int | None:
-    """Samples one step consumes over every rank, when the state's sampler says."""
-    sampler = getattr(state, "sampler", None)
-    batch = getattr(sampler, "global_batch_size", None)
-    return batch if isinstance(batch, int) and batch > 0 else None
 
 
 class TrainSession:
@@ -122,7 +107,9 @@ class TrainSession:
         self.state = state
         self.stop = stop or StopController()
         self._owned = contextlib.ExitStack()
-        services = self._lock_and_serve(services)
+        # one writer per run dir, taken before the services start and anything is written;
+        # released in close(), last (runner.runtime.runlock)
+        self.run_lock, services = lock_and_serve(self._owned, config, self.stop, rank, services)
         self.group = group if group is not None else ranks_group(rank, config)
         # before any other collective (the save group's exists only in async mode) and any
         # checkpoint: ranks given different settings all refuse to start
@@ -144,56 +131,26 @@ class TrainSession:
             self.ckpt_dir, run_id=uuid.uuid4().hex[:16], writer_id=config.writer_id
         )
         self.policy = self._policy(start_step=0)
+        self.saves = Saves(
+            config, rank=rank, placement=self.placement, metrics=self.metrics, mirror=self.mirror
+        )
         # a full disk never stops training for the loss history: counted, logged, retried
         self.loss_log = LossLog(
             self.run_dir,
             attempt=config.writer_id,
-            on_failure=self._loss_log_failed,
+            on_failure=self.saves.loss_log_failed,
             writes=rank.acts_as_primary,  # loss.jsonl has one writer: the primary
         )
-        self.checkpointer = Checkpointer(
-            self.writer,
-            on_commit=self._committed,
-            retention=self._prune_local,
-            hand_off=self._hand_off,
-            # the loss history is at least as durable as the checkpoint (never raises)
-            before_capture=self.loss_log.sync,
-            on_failure=self._save_failed,
-            make_room=self._make_room,
-            placement=self.placement,
-            **_saving(self.background),
-        )
-        self.last_checkpoint: CommittedCheckpoint | None = None
+        # the loss history is at least as durable as the checkpoint (never raises)
+        self.checkpointer = self.saves.checkpointer(self.writer, before_capture=self.loss_log.sync)
         self.resumed_checkpoint: CommittedCheckpoint | None = None
-        self.resumed_from: int | None = None
         self.exit_code: int | None = None
         self.final_save_seconds: float | None = None
         self.final_upload_landed: bool | None = None
         # a stop gave up on start-up's store work: finish() then leaves the store alone
         self.startup_given_up = False
-        # steps committed or resumed from by this process: retention need not re-hash them
-        self._known_good: set[int] = set()
         # the run's length in samples, when it is fixed by them (runner.session.coordination)
         self.target_samples: int | None = None
-        # after a resume at another world size: the history's length when it was loaded
-        self._history_logged: int | None = None
-
-    def _lock_and_serve(self, services: Services | None) -> Services:
-        # One writer per run dir (runner/runtime/runlock.py), taken before the services start and
-        # before anything is written there: a second process on it exits 2 naming this one.
-        # Released in close(), last; by the kernel if the process dies.
-        if self.rank.coordinated and not self.rank.is_local_primary:
-            # the node's local rank 0 holds it for the job's ranks on this run dir
-            self.run_lock: runlock.RunDirLock | None = None
-        else:
-            self.run_lock = self._owned.enter_context(
-                runlock.acquire(Path(self.config.run_dir), command="TrainSession")
-            )
-        if services is None:
-            services = self._owned.enter_context(
-                run_services(self.config, self.stop, rank=self.rank)
-            )
-        return services
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -217,21 +174,14 @@ class TrainSession:
                 self.finish()
         finally:
             self.close()  # a background save in flight (started at a step boundary) ends here
-        if (
-            isinstance(exc, SystemExit)
-            and exc.code in (None, 0)
-            and self.exit_code is None
-            and (self.stop.stop_requested or self.placement.stopping)
-        ):
-            # A framework's own SIGTERM handler (PyTorch Lightning's SIGTERMException) left the
-            # block: exit 0 would tell the orchestrator the job is done. Nothing is saved: the
-            # session cannot know whether the optimizer stepped after the last step_done().
+        stopping = self.stop.stop_requested or self.placement.stopping
+        left = isinstance(exc, SystemExit) and exc.code in (None, 0) and self.exit_code is None
+        if left and stopping:
+            # e.g. Lightning's SIGTERMException: exit 0 would say the job is done (reporting)
             self.exit_code = EXIT_FAILURE
+            last = self.last_checkpoint or self.resumed_checkpoint
             report_left_by_exit(
-                self.last_checkpoint or self.resumed_checkpoint,
-                reason=self.stop.reason,
-                step=self.step,
-                ckpt_dir=self.ckpt_dir,
+                last, reason=self.stop.reason, step=self.step, ckpt_dir=self.ckpt_dir
             )
             raise SystemExit(EXIT_FAILURE) from exc
 
@@ -244,9 +194,15 @@ class TrainSession:
             self.loss_log.close()
             self._owned.close()
 
-    def _loss_log_failed(self) -> None:
-        if self.metrics is not None:
-            self.metrics.checkpoint_failed("loss_log")
+    @property
+    def last_checkpoint(self) -> CommittedCheckpoint | None:
+        """The newest checkpoint this process committed (None before its first)."""
+        return self.saves.last
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The step this process resumed from (None when it started from scratch)."""
+        return self.saves.resumed_from
 
     @property
     def step(self) -> int:
@@ -265,12 +221,8 @@ class TrainSession:
 
     @property
     def target_steps(self) -> int | None:
-        """The step the run ends at, at this world size (`--steps` unless the run's length
-        in samples was fixed at another one)."""
-        batch = _global_batch(self.state)
-        if self.target_samples is not None and batch:
-            return -(-self.target_samples // batch)
-        return self.config.steps
+        """The step the run ends at, at this world size (runner.session.length)."""
+        return steps_of(self.target_samples, self.state, steps=self.config.steps)
 
     @property
     def should_stop(self) -> bool:
@@ -284,9 +236,8 @@ class TrainSession:
         """Continue from the newest checkpoint that verifies (local or mirror); returns its step.
 
         The store-bound part runs in a worker that a stop request gives up on
-        (runner.preemption.startup):
-        then nothing is restored or trained, `should_stop` is true and `finish()` exits 75
-        without saving or uploading anything; every checkpoint stays as it was."""
+        (runner.preemption.startup): then nothing is restored or trained, `should_stop` is
+        true and `finish()` exits 75 without saving or uploading anything."""
         if self.placement.cleans_partials(self.rank):
             self.writer.cleanup_partial()
         self.placement.before_resume(self.rank, self.ckpt_dir)
@@ -323,46 +274,27 @@ class TrainSession:
         return counters.step
 
     def _from_scratch(self) -> None:
-        # loss.jsonl is left alone: a supervisor marks a restart from scratch before it
-        report_resume(
-            None,
-            run_dir=self.run_dir,
+        report_from_scratch(
+            self.run_dir,
             loss_log=self.loss_log,
             metrics=self.metrics,
-            mark_from_scratch=False,
             announce=self.rank.acts_as_primary,
-            logger=log,
         )
         self.policy = self._policy(start_step=0)
         self._agree_startup()
 
     def _agree_startup(self) -> None:
-        """Several ranks: start-up given up on one (rank 0's store work) is given up on all,
-        so that none trains alone (runner.session.placement)."""
+        # several ranks: start-up given up on one is given up on all (none trains alone)
         self.startup_given_up = self.placement.agree_startup(given_up=self.startup_given_up)
 
     def _set_target(self, point: ResumePoint[dict[str, Any]] | None) -> None:
-        """Fix the run's length in samples when it matters: several ranks now, or a
-        checkpoint that carries one (written by a run that had several or changed size)."""
-        manifest = point.manifest if point is not None else None
-        carried = manifest is not None and "target_samples" in manifest.extra
-        resized = manifest is not None and manifest.world_size != self.state.counters.world_size
-        if not self.placement.fixes_length_in_samples and not carried and not resized:
-            return  # a single-process run: --steps, as it always was
-        self.target_samples = target_samples(
-            steps=self.config.steps, global_batch=_global_batch(self.state), resumed=manifest
+        self.target_samples = fixed_length(
+            self.state,
+            steps=self.config.steps,
+            resumed=point.manifest if point is not None else None,
+            in_samples=self.placement.fixes_length_in_samples,
+            announce=self.rank.acts_as_primary,
         )
-        batch = _global_batch(self.state)
-        left = (self.target_samples or 0) - (manifest.samples_seen if manifest else 0)
-        if batch and left > 0 and left % batch and self.rank.acts_as_primary:
-            log.warning(
-                "the %d samples left of the run are not a whole number of global batches of "
-                "%d at this world size: it ends %d samples past its length of %d",
-                left,
-                batch,
-                batch - left % batch,
-                self.target_samples,
-            )
 
     def _resume_from(self, point: ResumePoint[dict[str, Any]]) -> Counters:
         """Load what the resolver's worker read into the live objects, on this thread
@@ -373,31 +305,19 @@ class TrainSession:
             if self.metrics is not None:
                 self.metrics.checkpoint_failed("restore")
             raise
-        self.resumed_from = point.step
-        self._known_good.add(point.step)
+        self.saves.resumed(point.step)
         self.resumed_checkpoint = point.checkpoint
         self.writer.run_id = point.manifest.run_id
-        if self.config.steps is not None and counters.step > self.config.steps:
-            log.warning(
-                "the run is already at step %d, past --steps %d: nothing to train",
-                counters.step,
-                self.config.steps,
-            )
         self.policy = self._policy(start_step=counters.step)
-        resized = point.manifest.world_size != counters.world_size
-        if resized:
-            self._history_logged = len(self.state.loss_history)
-        report_resume(
+        report_resumed(
             point,
+            counters,
             run_dir=self.run_dir,
+            history=self.state.loss_history,
+            steps=self.config.steps,
             loss_log=self.loss_log,
             metrics=self.metrics,
-            # the history counts steps of the world size that wrote it: after a rescale its
-            # indices are no step numbers of this run's loss.jsonl, so nothing is backfilled
-            history=self.state.loss_history if not resized else None,
-            counters=counters,
             announce=self.rank.acts_as_primary,
-            logger=log,
         )
         return counters
 
@@ -417,15 +337,7 @@ class TrainSession:
         )
 
     def _policy(self, *, start_step: int) -> SavePolicy:
-        # The seconds cadence is decided on the primary: wall clocks differ between ranks, and
-        # every rank must save the same step: the others learn its decision in the step's
-        # agreement (runner.session.coordination.agree_on_step).
-        every_seconds = self.config.ckpt_every_seconds if self.rank.acts_as_primary else None
-        return SavePolicy(
-            every_steps=self.config.ckpt_every,
-            every_seconds=every_seconds,
-            start_step=start_step,
-        )
+        return SavePolicy.of_run(self.config, primary=self.rank.acts_as_primary, start=start_step)
 
     # -- the step boundary --------------------------------------------------------------------
 
@@ -437,10 +349,10 @@ class TrainSession:
             # step) and finish() does not save it
             return True
         counters = self.state.counters
-        self._log_loss(counters.step)
+        self.loss_log.append_newest(counters.step, self.state.loss_history)
         if self.metrics is not None:
             self.metrics.train_step(counters.step)
-        self._report_background_failure()
+        self.checkpointer.raise_failures()
         self.placement.step_ended(
             step=counters.step, policy=self.policy, grace_seconds=self.config.grace_seconds
         )
@@ -457,32 +369,18 @@ class TrainSession:
                 log.error("%s; training continues", exc)
         return False
 
-    def _log_loss(self, step: int) -> None:
-        """The loss of the step just taken (the newest in the history), once: after a resume
-        at another world size the history's length no longer equals the (rescaled) step."""
-        history = self.state.loss_history
-        if self._history_logged is None:  # the history's index is the step
-            if history and len(history) >= step:
-                self.loss_log.append(step, history[step - 1])
-        elif len(history) > self._history_logged:
-            self.loss_log.append(step, history[-1])
-            self._history_logged = len(history)
-
     def save(self, *, reason: str) -> CommittedCheckpoint:
         """Commit a checkpoint of the current state now, and hand it to the mirror; returns
         once it is committed (in either save mode).
 
-        The loss log's fsync, capture, commit, then _committed, _prune_local and _hand_off
-        (runner.session.checkpointer; a failure before the commit goes through _save_failed)."""
+        The loss log's fsync, capture, the placement's commit, then the bookkeeping,
+        retention and mirror hand-off of runner.session.saves."""
         return self._start_save(reason=reason).result()
 
     def _start_save(self, *, reason: str) -> PendingSave:
         """`save`, returning once the loop may go on: a background saver commits it later,
         and its failure is reported at the next step boundary (training goes on)."""
-        # the run's length in samples travels with its checkpoints once it is fixed
-        extra = None
-        if self.target_samples:
-            extra = {"target_samples": self.target_samples, "target_steps": self.config.steps}
+        extra = carried_length(self.target_samples, steps=self.config.steps)
         # the step is saved from now on: the cadence moves on even while it is written
         self.policy.saved(self.step)
         try:
@@ -492,92 +390,12 @@ class TrainSession:
                 self.metrics.checkpoint_stalled(self.last_stall_seconds)
         return pending
 
-    def _report_background_failure(self) -> None:
-        """Say once that a background save could not be written (its failure metric is
-        counted already): the previous checkpoint stands and training goes on, as after a
-        failed sync save. Any other failure is raised, as a sync save would have."""
-        while (failure := self.checkpointer.take_failure()) is not None:
-            _step, exc = failure
-            if not isinstance(exc, CheckpointWriteError):
-                # anything else (a lost peer, a bug, an object that cannot be saved) ends the
-                # run here as it would have inside a sync save
-                raise exc
-            log.error("%s; training continues", exc)
-
-    def _save_failed(self, exc: Exception, step: int) -> Exception:
-        """A save of step `step` that failed before its commit: counted; an OSError becomes
-        the CheckpointWriteError that says what stands and what to do (a RunnerError stays)."""
-        if self.metrics is not None:
-            self.metrics.checkpoint_failed("save")
-        if not isinstance(exc, OSError):
-            return exc
-        previous = self.last_checkpoint.step if self.last_checkpoint else self.resumed_from
-        return write_error(exc, step=step, ckpt_dir=self.ckpt_dir, previous=previous)
-
-    def _committed(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
-        """Bookkeeping once a save is committed, before retention and the mirror see it (on
-        the saver's thread with a background saver)."""
-        duration = time.monotonic() - snapshot.captured_at
-        self.last_checkpoint = committed
-        self._known_good.add(committed.step)
-        if self.metrics is not None:
-            self.metrics.checkpoint_saved(
-                step=snapshot.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
-            )
-        if self.rank.acts_as_primary:
-            log.info(
-                "checkpoint step %d committed in %.2fs (%s, %.1f MB%s, %s)",
-                snapshot.step,
-                duration,
-                snapshot.reason,
-                committed.manifest.total_bytes / 1e6,
-                f", {committed.manifest.world_size} ranks" if self.placement.several_ranks else "",
-                f"async, copied in {snapshot.copy_seconds * 1e3:.0f} ms"
-                if self.background
-                else "sync",
-            )
-
-    def _hand_off(self, committed: CommittedCheckpoint, snapshot: Snapshot) -> None:
-        # the final and stop checkpoints go up in finish(), within the deadline
-        if self.mirror is not None and snapshot.reason not in ("final", "stop"):
-            self.mirror.submit(committed)
-
-    def _prune_local(self) -> None:
-        from runner.checkpoint.retention import prune
-        from runner.storage.file import FileStorage
-
-        if not self.rank.acts_as_primary:
-            return  # one pruner: the primary, once the ranks' commit of every part is done
-        protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
-        try:
-            prune(
-                FileStorage(self.run_dir),
-                keep=self.config.keep,
-                protect=protect,
-                known_good=self._known_good,
-            )
-        except (OSError, RunnerError) as exc:  # retention must never fail a run
-            log.warning("local retention skipped: %s", exc)
-
-    def _make_room(self) -> Room | None:
-        """A save found the disk full: delete the oldest usable checkpoint older than the
-        newest verified one, so that the retry fits (on the saver's thread, like retention).
-        One process only: the ranks of a multi-rank commit would all have to agree."""
-        from runner.storage.file import FileStorage
-
-        if not self.placement.makes_room or not self.rank.acts_as_primary:
-            return None
-        protect = self.mirror.in_flight_steps() if self.mirror is not None else set()
-        return make_room(FileStorage(self.run_dir), protect=protect, known_good=self._known_good)
-
     # -- the end ------------------------------------------------------------------------------
 
     def finish(self) -> int:
-        """Commit the final checkpoint (and upload it within the deadline); returns the exit code.
-
-        0 when the run reached its step target, 75 when it stopped on request (SIGTERM, a
-        preemption notice) with the final checkpoint committed.
-        """
+        """Commit the final checkpoint (and upload it within the deadline); returns the exit
+        code: 0 when the run reached its step target, 75 when it stopped on request (SIGTERM,
+        a preemption notice) with the final checkpoint committed."""
         stopped = self.placement.stopping and not self.target_reached
         started = time.monotonic()
         ckpt = self._save_final(reason="stop" if stopped else "final")
@@ -596,18 +414,18 @@ class TrainSession:
         elapsed = time.monotonic() - started
         if stopped:
             where = durable_where(
+                ckpt,
                 startup_given_up=self.startup_given_up,
-                mirror=self.mirror is not None,
-                landed=self.final_upload_landed,
-                in_store=ckpt is not None and ckpt.store_uri is not None,
+                mirror=self.mirror,
+                landed=ending.landed,
             )
             report_stop(
                 ckpt,
                 reason=self.stop.reason,
                 step=self.step,
+                where=where,
                 elapsed=elapsed,
                 grace_seconds=self.config.grace_seconds,
-                where=where,
             )
         self.exit_code = ending.exit_code
         if self.exit_code == EXIT_FAILURE and ckpt is not None:
@@ -619,7 +437,7 @@ class TrainSession:
         """The checkpoint of the current step, saved now unless it is committed already;
         None when there is nothing to save."""
         self.checkpointer.wait_for_saving()  # a background save in flight ends first
-        self._report_background_failure()
+        self.checkpointer.raise_failures()
         ckpt = self.last_checkpoint
         if ckpt is not None and ckpt.step == self.step:
             return ckpt
