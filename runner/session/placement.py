@@ -276,7 +276,7 @@ class RanksOnNodes(RanksOnOneNode):
         """Rank 0 picks the mirror's newest whole checkpoint (given up on by a stop), every
         rank learns its manifest; `load` then fetches what each rank reads. A checkpoint one
         process wrote is fetched whole by every rank and read here."""
-        from runner.mirror.nodes import fetch_whole, newest_in_bucket
+        from runner.mirror.node_resume import fetch_whole, newest_in_bucket
         from runner.mirror.remote_layout import to_local
 
         bucket = self.bucket
@@ -313,7 +313,7 @@ class RanksOnNodes(RanksOnOneNode):
     def load(self, state: TrainState, point: Point, *, writer: CheckpointWriter) -> Counters:
         if point.manifest.format != FORMAT_DCP or point.remote is None:
             return super().load(state, point, writer=writer)
-        from runner.mirror.nodes import load_from_bucket
+        from runner.mirror.node_resume import load_from_bucket
 
         return load_from_bucket(
             _loads_ranked(state, point.step_dir),
@@ -332,7 +332,7 @@ class RanksOnNodes(RanksOnOneNode):
         read: Read,
     ) -> tuple[Point, Counters]:
         """Load `point`, or when it does not verify or load (on every rank alike:
-        runner.mirror.nodes.raise_on_all) the next older one. A store that may recover is
+        runner.mirror.node_resume.raise_on_all) the next older one. A store that may recover is
         not a refusal: raised (exit 1)."""
         refused: dict[int, BaseException] = {}
         current: Point | None = point

@@ -76,7 +76,8 @@ def _keys(storage: FileStorage, step: int) -> list[str]:
 
 def _worker(base: str) -> None:
     from runner.collective.group import dedicated_group
-    from runner.mirror.nodes import NodeBucket, commit_to_bucket, load_from_bucket
+    from runner.mirror.node_resume import load_from_bucket
+    from runner.mirror.nodes import NodeBucket, commit_to_bucket
 
     group = dedicated_group(timeout_s=60)
     rank, root = group.rank, Path(base)
