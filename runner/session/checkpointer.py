@@ -51,7 +51,6 @@ from runner.session.capture import (
 from runner.session.placement import OneProcess, Placement
 from runner.state.counters import Counters
 from runner.state.host_copy import HostBuffers
-from runner.state.ranked import RankedPayload
 
 log = logging.getLogger(__name__)
 
@@ -253,11 +252,7 @@ class Checkpointer:
         (counted once). One process's save only: the ranks of a multi-rank commit would all
         have to agree to retry."""
         no_space = out_of_space(exc)
-        if (
-            no_space is None
-            or self._make_room is None
-            or isinstance(snapshot.payload, RankedPayload)
-        ):
+        if no_space is None or self._make_room is None or not self.placement.makes_room:
             self._failed_before_commit(exc, step=snapshot.step)
         try:
             self.writer.cleanup_partial()  # the failed attempt's staging dir, if it outlived it
