@@ -1,28 +1,24 @@
-"""s3:// backend: any S3-compatible store through boto3 and s3transfer.
-
-Configuration comes only from the standard AWS chain (environment, shared config/profile,
-instance role, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`); a custom endpoint switches to
-path-style addressing, which MinIO, SeaweedFS and most self-hosted stores need.
+"""s3:// backend: `S3Storage`, any S3-compatible store through boto3 and s3transfer, with
+the retry budget its operations share (`_call`). Configuration comes only from the standard
+AWS chain (runner.storage.s3_client builds the client).
 
 Integrity of an upload: while the transfer runs, one read of the local file computes its
 sha256 (which must equal the manifest's, else the upload is deleted and IntegrityError raised)
 and the SHA-256 of every multipart part in the same pass. The upload
 asks the server to check SHA-256 per request (`ChecksumAlgorithm=SHA256`); afterwards a HEAD
 checks the size and compares the server's checksum (the full digest, or for multipart the
-composite digest of the part digests) with the local one. Stores that do not return checksums
-get a size check only; the manifest's sha256 is checked again on every download.
+composite digest of the part digests) with the local one (runner.storage.s3_checksum). Stores
+that do not return checksums get a size check only; the manifest's sha256 is checked again on
+every download.
 
 Retries happen on two levels: botocore retries a single request a few times (so one dropped
 part does not restart a 1 GB file), and the whole operation is retried with exponential backoff
 and jitter on StorageTransientError, within the store timeout (`--store-timeout`): connect and
-read timeouts are derived from it so that one try fits, and no try starts once the store has
-been failing for that long (docs/storage.md, "Time limits"). Permanent errors (403,
-NoSuchBucket, bad keys) are never retried. A failed multipart upload is aborted by
-s3transfer; if that abort itself fails, a sweep aborts the key's uploads started by this call.
-
-Long (about 500 lines) because `S3Storage` is one thing: every method shares the client,
-the retry budget (`_call`) and the error classification. The transfer settings and the
-upload checksum are in runner.storage.s3_transfer, the error mapping in runner.storage.s3_errors.
+read timeouts are derived from it so that one try fits (runner.storage.s3_transfer), and no
+try starts once the store has been failing for that long (docs/storage.md, "Time limits").
+Permanent errors (403, NoSuchBucket, bad keys; runner.storage.s3_errors) are never retried. A
+failed multipart upload is aborted by s3transfer; if that abort itself fails, a sweep aborts
+the key's uploads started by this call (runner.storage.s3_multipart).
 """
 
 from __future__ import annotations
@@ -37,10 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import urlparse
 
 import boto3
-from botocore.config import Config
 from s3transfer.manager import TransferManager
 
 from runner.atomicity.files import CHUNK, HashingFileWriter
@@ -54,34 +48,17 @@ from runner.errors import (
     StorageTransientError,
 )
 from runner.storage.base import ObjectInfo, ProgressCallback, check_download, check_key
-from runner.storage.endpoint import check_endpoint, endpoint_error
 from runner.storage.limits import DEFAULT_STORE_TIMEOUT_S
-from runner.storage.redact import has_userinfo, redact_url, strip_userinfo
 from runner.storage.retry import RetryPolicy
-from runner.storage.s3_errors import classify, client_config_error
-from runner.storage.s3_transfer import (
-    Moved,
-    Progress,
-    TransferSettings,
-    expected_checksum,
-)
+from runner.storage.s3_checksum import UploadCheck, expected_checksum
+from runner.storage.s3_client import make_client, parse_s3_uri
+from runner.storage.s3_errors import ClassifiedStream, classify, client_config_error, error_code
+from runner.storage.s3_multipart import abort_multipart, incomplete_keys
+from runner.storage.s3_transfer import Moved, Progress, TransferSettings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def _is_aws_endpoint(url: str) -> bool:
-    host = urlparse(url).hostname or ""
-    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """(bucket, prefix) of `s3://bucket/prefix`; the prefix has no leading/trailing '/'."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ConfigError(f"{uri!r}: expected s3://bucket/prefix")
-    return parsed.netloc, parsed.path.strip("/")
 
 
 class S3Storage:
@@ -106,20 +83,10 @@ class S3Storage:
         self.prefix = prefix.strip("/")
         self.settings = settings or TransferSettings.for_store_timeout(store_timeout_s)
         self.retry = retry or RetryPolicy(budget_s=store_timeout_s)
-        # botocore's messages and exception chain may quote the endpoint URL: never shown
-        try:
-            self._client = self._make_client(session or boto3.session.Session())
-        except Exception as exc:
-            config_error = client_config_error(exc)
-            if config_error is not None:
-                raise config_error from None
-            if isinstance(exc, ValueError):  # botocore: "Invalid endpoint: <url>"
-                raise endpoint_error() from None
-            raise
-        # never holds credentials: _make_client drops any user:password@ part
+        self._client = make_client(session, self.settings)
+        # never holds credentials: make_client drops any user:password@ part
         self.endpoint: str = self._client.meta.endpoint_url
-        # None until the first verified upload tells whether the store returns checksums
-        self._server_checksums: bool | None = None
+        self._upload_check = UploadCheck(self.endpoint)
         self._conditional_puts = True
         self._give_up_once = give_up_once
         self._gave_up: StorageTransientError | None = None
@@ -128,34 +95,6 @@ class S3Storage:
     def from_uri(cls, uri: str, **kwargs: Any) -> S3Storage:
         bucket, prefix = parse_s3_uri(uri)
         return cls(bucket, prefix, **kwargs)
-
-    def _make_client(self, session: boto3.session.Session) -> Any:
-        s = self.settings
-        config = Config(
-            # total_max_attempts counts the first try; botocore's max_attempts would not
-            retries={"mode": "standard", "total_max_attempts": s.request_attempts},
-            connect_timeout=s.connect_timeout_s,
-            read_timeout=s.read_timeout_s,
-            max_pool_connections=max(10, 2 * s.concurrency),
-        )
-        client = session.client("s3", config=config)
-        endpoint: str = client.meta.endpoint_url
-        check_endpoint(endpoint)
-        endpoint_url = None
-        if has_userinfo(endpoint):
-            endpoint_url = strip_userinfo(endpoint)
-            log.warning(
-                "the S3 endpoint %s carries a user:password, which S3 never uses (requests are "
-                "signed with the AWS keys): connecting to %s without it",
-                redact_url(endpoint),
-                endpoint_url,
-            )
-        if not _is_aws_endpoint(endpoint):
-            # Self-hosted stores rarely resolve bucket.host names.
-            config = config.merge(Config(s3={"addressing_style": "path"}))
-        if endpoint_url is not None or not _is_aws_endpoint(endpoint):
-            client = session.client("s3", config=config, endpoint_url=endpoint_url)
-        return client
 
     @property
     def uri(self) -> str:
@@ -262,7 +201,9 @@ class S3Storage:
                         future.result()
                 except BaseException:
                     if size >= self.settings.multipart_threshold:
-                        self._abort_multipart(full_key, since=started)
+                        abort_multipart(
+                            self._client, bucket=self.bucket, full_key=full_key, since=started
+                        )
                     raise
                 expected = checksum.result() if checksum is not None else None
                 self._verify_upload(key, size=size, expected=expected)
@@ -280,50 +221,7 @@ class S3Storage:
         head = self._client.head_object(
             Bucket=self.bucket, Key=self._full(key), ChecksumMode="ENABLED"
         )
-        if head["ContentLength"] != size:
-            raise StorageTransientError(
-                f"{self.uri}/{key}: stored size {head['ContentLength']} != {size}; re-uploading"
-            )
-        if expected is None:
-            return
-        reported = head.get("ChecksumSHA256")
-        if reported is None:
-            if self._server_checksums is not False:
-                log.info(
-                    "%s does not report SHA-256 checksums: uploads are checked by size, and "
-                    "the manifest's sha256 is verified on download",
-                    self.endpoint,
-                )
-            self._server_checksums = False
-            return
-        self._server_checksums = True
-        if reported != expected:
-            raise StorageTransientError(
-                f"{self.uri}/{key}: server checksum {reported} != local {expected}; re-uploading"
-            )
-
-    def _abort_multipart(self, full_key: str, *, since: datetime) -> None:
-        """Abort this key's multipart uploads started by the failed call (best effort: the
-        store's lifecycle rule for incomplete uploads is the backstop)."""
-        try:
-            listing = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=full_key)
-            for upload in listing.get("Uploads", []):
-                initiated = upload.get("Initiated")
-                if upload.get("Key") != full_key:
-                    continue
-                if isinstance(initiated, datetime) and initiated < since.replace(microsecond=0):
-                    continue
-                self._client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=full_key, UploadId=upload["UploadId"]
-                )
-                log.info("aborted incomplete multipart upload of s3://%s/%s", self.bucket, full_key)
-        except Exception as exc:  # the original upload error matters more than this one
-            log.warning(
-                "could not abort incomplete multipart uploads of s3://%s/%s: %s",
-                self.bucket,
-                full_key,
-                exc,
-            )
+        self._upload_check.check(head, where=f"{self.uri}/{key}", size=size, expected=expected)
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         """Single PUT; the server checks the body's SHA-256. With if_absent the write fails
@@ -346,7 +244,7 @@ class S3Storage:
             try:
                 self._client.put_object(**args)
             except Exception as exc:
-                code, status = _error_code(exc)
+                code, status = error_code(exc)
                 if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
                     raise StorageConflictError(f"{self.uri}/{key} already exists") from exc
                 if "IfNoneMatch" in args and code in ("NotImplemented", "InvalidArgument"):
@@ -364,7 +262,7 @@ class S3Storage:
         try:
             self._client.head_object(Bucket=self.bucket, Key=full_key)
         except Exception as exc:
-            code, status = _error_code(exc)
+            code, status = error_code(exc)
             if status == 404 and code != "NoSuchBucket":
                 return False
             raise
@@ -425,7 +323,7 @@ class S3Storage:
             key,
             lambda: self._client.get_object(Bucket=self.bucket, Key=full_key)["Body"],
         )
-        raw = _ClassifiedStream(body, on_error=lambda exc: self._classify(exc, key))
+        raw = ClassifiedStream(body, on_error=lambda exc: self._classify(exc, key))
         return cast(BinaryIO, io.BufferedReader(raw, buffer_size=CHUNK))
 
     def _classify(self, exc: BaseException, key: str) -> StorageError:
@@ -479,46 +377,12 @@ class S3Storage:
             prefix,
             lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=root + prefix),
         )
-        return tuple(sorted(u["Key"][len(root) :] for u in response.get("Uploads", [])))
+        return incomplete_keys(response, root=root)
 
     @property
     def server_checksums(self) -> bool | None:
         """Whether the store returned SHA-256 checksums (None: no upload verified yet)."""
-        return self._server_checksums
-
-
-def _error_code(exc: BaseException) -> tuple[str, int]:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return "", 0
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
-
-
-class _ClassifiedStream(io.RawIOBase):
-    """A response body whose read errors arrive as the project's storage errors."""
-
-    def __init__(self, body: Any, *, on_error: Callable[[BaseException], StorageError]) -> None:
-        self._body = body
-        self._on_error = on_error
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        try:
-            data = self._body.read(len(view))
-        except Exception as exc:
-            raise self._on_error(exc) from exc
-        view[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._body.close()
-        super().close()
+        return self._upload_check.server_checksums
 
 
 def _timestamp(when: datetime | None) -> float | None:

@@ -5,10 +5,15 @@ status, never by message text. Messages name the bucket, key and endpoint so an 
 act, and never include credentials: a user:password in a URL botocore quotes is redacted.
 
 Configuration mistakes botocore finds (a missing profile, an unparsable config file, a bad
-region or endpoint) become ConfigError (exit 2) with one line saying what to fix.
+region or endpoint) become ConfigError (exit 2) with one line saying what to fix. Errors while
+reading a response body (`ClassifiedStream`) arrive classified too.
 """
 
 from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
 
 from botocore.exceptions import (
     BotoCoreError,
@@ -172,3 +177,38 @@ def _classify_client_error(
         answer = detail if detail.startswith(str(status)) else f"{status} {detail}"
         return StorageTransientError(f"{where}: server answered {answer}")
     return StoragePermanentError(f"{where}: request refused ({status} {detail})")
+
+
+def error_code(exc: BaseException) -> tuple[str, int]:
+    """(error code, HTTP status) of a botocore error; ("", 0) for anything else."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", 0
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+class ClassifiedStream(io.RawIOBase):
+    """A response body whose read errors arrive as the project's storage errors."""
+
+    def __init__(self, body: Any, *, on_error: Callable[[BaseException], StorageError]) -> None:
+        self._body = body
+        self._on_error = on_error
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        try:
+            data = self._body.read(len(view))
+        except Exception as exc:
+            raise self._on_error(exc) from exc
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+        super().close()

@@ -1,24 +1,18 @@
 """How s3:// moves large objects: the transfer settings (part size, concurrency, socket
-timeouts sized from the store timeout), progress subscribers, and the checksum an upload's
-server should report, computed in the one read of the local file that also checks its sha256.
+timeouts sized from the store timeout) and the progress subscribers of a transfer. The
+upload checksum is in runner.storage.s3_checksum.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from s3transfer.manager import TransferConfig
 from s3transfer.subscribers import BaseSubscriber
-from s3transfer.utils import ChunksizeAdjuster
 
-from runner.atomicity.files import CHUNK
-from runner.errors import ConfigError, IntegrityError
+from runner.errors import ConfigError
 from runner.storage.base import ProgressCallback
 
 MiB = 1024 * 1024
@@ -103,39 +97,3 @@ class Progress(BaseSubscriber):
 
     def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
         self._callback(bytes_transferred)
-
-
-def expected_checksum(src: Path, *, size: int, sha256: str, settings: TransferSettings) -> str:
-    """Check the file still has the manifest's sha256 and return the SHA-256 checksum
-    the server should report: the full digest for one PUT, the composite of part
-    digests ("<b64>-<parts>") for a multipart upload. One read of the file; the part
-    digests are computed on a second core (hashlib releases the GIL)."""
-    multipart = size >= settings.multipart_threshold
-    part_size = ChunksizeAdjuster().adjust_chunksize(settings.part_size, size)
-    full = hashlib.sha256()
-    parts: list[bytes] = []
-    with open(src, "rb") as f, ThreadPoolExecutor(1, "part-digests") as helper:
-        while True:
-            part = hashlib.sha256()
-            remaining = part_size if multipart else size
-            while remaining:
-                chunk = f.read(min(CHUNK, remaining))
-                if not chunk:
-                    break
-                pending = helper.submit(part.update, chunk) if multipart else None
-                full.update(chunk)
-                if pending is not None:
-                    pending.result()
-                remaining -= len(chunk)
-            if not multipart or remaining == part_size:
-                break
-            parts.append(part.digest())
-    if full.hexdigest() != sha256:
-        raise IntegrityError(
-            f"{src} no longer matches its manifest (sha256 {full.hexdigest()[:12]}... "
-            f"!= {sha256[:12]}...); not uploading a corrupt file"
-        )
-    if not multipart:
-        return base64.b64encode(full.digest()).decode()
-    composite = hashlib.sha256(b"".join(parts)).digest()
-    return f"{base64.b64encode(composite).decode()}-{len(parts)}"
