@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -29,6 +28,7 @@ from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest
 from runner.checkpoint.safe_load import torch_load
 from runner.checkpoint.staging import Staging
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.collective.failures import RankFailure, describe
 from runner.collective.group import Group
 from runner.errors import CheckpointWriteError, IntegrityError, RunnerError
 from runner.state.counters import Counters
@@ -54,14 +54,6 @@ class LoadsRanked(Protocol):
     ) -> Counters: ...
 
 
-@dataclass(frozen=True)
-class Failed:
-    """What went wrong on one rank, as every rank is told."""
-
-    rank: int
-    what: str
-
-
 def write_ranked(
     writer: CheckpointWriter, part: RankedPayload, *, meta: CheckpointMeta, group: Group
 ) -> CommittedCheckpoint:
@@ -72,14 +64,14 @@ def write_ranked(
             stage = staging.__enter__()
         except (OSError, RunnerError) as exc:
             # the others wait for the staging dir's name: tell them instead
-            group.broadcast([Failed(0, f"could not create the staging directory: {exc}")])
+            group.broadcast([RankFailure(0, f"could not create the staging directory: {exc}")])
             raise
         with contextlib.ExitStack() as cleanup:
             cleanup.push(staging)
             group.broadcast(stage.path.name)
             entries = write_part(stage, part, group)
             parts = group.all_gather(entries)
-            failed = [p for p in parts if isinstance(p, Failed)]
+            failed = [p for p in parts if isinstance(p, RankFailure)]
             if failed:
                 group.broadcast(failed)
                 raise not_committed(failed, rank=0)
@@ -92,11 +84,11 @@ def write_ranked(
             try:
                 committed = writer.commit(stage, meta=meta, format=FORMAT_DCP)
             except (OSError, RunnerError) as exc:
-                group.broadcast([Failed(0, f"the commit failed: {exc}")])
+                group.broadcast([RankFailure(0, f"the commit failed: {exc}")])
                 raise
             group.broadcast(committed)
             return committed
-    name: str | list[Failed] = group.broadcast("")
+    name: str | list[RankFailure] = group.broadcast("")
     if isinstance(name, list):
         raise not_committed(name, rank=group.rank)
     stage = Staging(writer.ckpt_dir / name)
@@ -108,7 +100,7 @@ def write_ranked(
     return outcome
 
 
-def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEntry] | Failed:
+def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEntry] | RankFailure:
     """COLLECTIVE (DCP's save): this rank's files in `stage` (rank 0's include DCP's index
     and the shared train state), or what failed (never raised: every rank must reach the
     gather that follows)."""
@@ -120,11 +112,11 @@ def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEn
             entries.append(own.write_torch(TRAIN_STATE_FILE, part.shared))
     except (OSError, RunnerError, RuntimeError) as exc:
         log.error("rank %d could not write its part of the checkpoint: %s", part.rank, exc)
-        return Failed(part.rank, str(exc))
+        return RankFailure(part.rank, str(exc))
     return entries
 
 
-def _not_there(stage: Path, rank: int, entries: list[FileEntry]) -> Failed | None:
+def _not_there(stage: Path, rank: int, entries: list[FileEntry]) -> RankFailure | None:
     """What of `rank`'s reported files rank 0 does not see in `stage` at their size (a rank
     given another run dir wrote them there), or None."""
     lost = []
@@ -139,19 +131,17 @@ def _not_there(stage: Path, rank: int, entries: list[FileEntry]) -> Failed | Non
             )
     if not lost:
         return None
-    return Failed(
+    return RankFailure(
         rank,
         f"its files are not in rank 0's staging directory {stage} as written: "
         f"{', '.join(lost)}; the ranks of one node must share one --run-dir on one file system",
     )
 
 
-def not_committed(failed: list[Failed], *, rank: int) -> CheckpointWriteError:
-    what = "; ".join(f"rank {f.rank}: {f.what}" for f in failed)
-    mine = " (this one)" if any(f.rank == rank for f in failed) else ""
+def not_committed(failed: list[RankFailure], *, rank: int) -> CheckpointWriteError:
     return CheckpointWriteError(
-        f"the checkpoint was not committed: {what}{mine}. Nothing partial is visible; the "
-        "previous checkpoint is intact"
+        f"the checkpoint was not committed: {describe(failed, rank=rank)}. Nothing partial "
+        "is visible; the previous checkpoint is intact"
     )
 
 

@@ -27,6 +27,7 @@ from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.ranked import LoadsRanked, load_ranked
 from runner.checkpoint.verify import check_remote_sizes
 from runner.checkpoint.writer import CheckpointWriter
+from runner.collective.failures import RankFailure, describe, gather_failures
 from runner.collective.group import Group
 from runner.errors import (
     IntegrityError,
@@ -187,12 +188,12 @@ def raise_on_all(
             else "other"
         )
         text = str(error) if scratch is None else str(error).replace(str(scratch), where)
-        mine = (group.rank, kind, text)
-    failures = [f for f in group.all_gather(mine) if f is not None]
+        mine = RankFailure(group.rank, text, kind)
+    failures = gather_failures(group, mine)
     if not failures:
         return
-    what = f"{where} could not be loaded: " + "; ".join(f"rank {r}: {m}" for r, _, m in failures)
-    kinds = {kind for _, kind, _ in failures}
+    what = f"{where} could not be loaded: {describe(failures)}"
+    kinds = {f.kind for f in failures}
     if "transient" in kinds:
         raise StorageTransientError(f"{what}. The store may recover: exiting 1 to retry")
     if "integrity" in kinds:

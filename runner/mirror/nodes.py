@@ -28,9 +28,10 @@ from typing import Any, TypeVar
 from runner.checkpoint.existing import same_state
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, step_dir_name
 from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest
-from runner.checkpoint.ranked import Failed, not_committed, write_part
+from runner.checkpoint.ranked import not_committed, write_part
 from runner.checkpoint.staging import Staging
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.collective.failures import RankFailure
 from runner.collective.group import Group
 from runner.errors import (
     CheckpointWriteError,
@@ -108,22 +109,22 @@ def _stage_and_upload(
     base = f"{checkpoint_key(meta.step)}/{attempt}"
     with contextlib.ExitStack() as stack:
         try:
-            stage: Staging | Failed = stack.enter_context(writer.staging(meta.step))
+            stage: Staging | RankFailure = stack.enter_context(writer.staging(meta.step))
         except (OSError, RunnerError) as exc:
-            stage = Failed(group.rank, f"could not create its staging directory: {exc}")
+            stage = RankFailure(group.rank, f"could not create its staging directory: {exc}")
         # DCP's save is collective: every rank enters it, or none does; and every rank must
         # be saving the same step (a save one rank gave up on early must not pair with the
         # others' next one)
         staged = group.all_gather((meta.step, stage))
         steps = {step for step, _ in staged}
-        failed = [p for _, p in staged if isinstance(p, Failed)]
+        failed = [p for _, p in staged if isinstance(p, RankFailure)]
         if len(steps) > 1:
-            failed.append(Failed(group.rank, f"the ranks are saving different steps {steps}"))
+            failed.append(RankFailure(group.rank, f"the ranks are saving different steps {steps}"))
         if failed:
             return list(failed)
         assert isinstance(stage, Staging)
         outcome = write_part(stage, part, group)
-        if not isinstance(outcome, Failed):
+        if not isinstance(outcome, RankFailure):
             outcome = _upload_part(stage, outcome, bucket=bucket, base=base, rank=group.rank)
         return group.all_gather(outcome)
 
@@ -139,7 +140,7 @@ def _commit_manifest(
 ) -> Manifest:
     """Rank 0: the manifest of every rank's files, put last, create-only; a failure (or the
     ranks' own) is broadcast to every rank and raised alike."""
-    failed = [p for p in parts if isinstance(p, Failed)]
+    failed = [p for p in parts if isinstance(p, RankFailure)]
     try:
         if failed:
             raise not_committed(failed, rank=0)
@@ -150,7 +151,7 @@ def _commit_manifest(
         landed = _names_attempt(bucket, meta.step, attempt)  # if not, its objects go
         if landed and not failed:
             return local  # the manifest landed, only its answer was lost: committed
-        told = failed or [Failed(0, f"the manifest was not written: {exc}")]
+        told = failed or [RankFailure(0, f"the manifest was not written: {exc}")]
         group.broadcast(told)
         if not isinstance(exc, Exception) or isinstance(exc, CheckpointWriteError):
             raise
@@ -176,7 +177,7 @@ def _names_attempt(bucket: NodeBucket, step: int, attempt: str) -> bool:
 
 def _upload_part(
     stage: Staging, entries: list[FileEntry], *, bucket: NodeBucket, base: str, rank: int
-) -> list[FileEntry] | Failed:
+) -> list[FileEntry] | RankFailure:
     """This rank's files into the attempt dir, each checked there; what failed otherwise."""
     try:
         for entry in entries:
@@ -191,7 +192,7 @@ def _upload_part(
                 )
     except (OSError, RunnerError) as exc:
         log.error("rank %d could not upload its part of the checkpoint: %s", rank, exc)
-        return Failed(rank, f"upload to {bucket.storage.uri} failed: {exc}")
+        return RankFailure(rank, f"upload to {bucket.storage.uri} failed: {exc}")
     return entries
 
 
