@@ -89,55 +89,74 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            # nan passes every `> 0` check below, and inf turns deadlines and cadences into
-            # never; neither is a meaningful setting
-            if isinstance(value, float) and not math.isfinite(value):
-                option = f"--{f.name.replace('_', '-')}"
-                raise ConfigError(f"{option} must be a finite number (got {value})")
+        # checked in this order, so that the first bad setting is the one reported
+        _check_finite(self)
         _check_bounds(self)
-        if self.keep < 2:
-            raise ConfigError(
-                f"--keep must be >= 2 (got {self.keep}): "
-                "the newest checkpoint may still be in flight"
-            )
-        if self.steps is not None and self.steps < 1:
-            raise ConfigError(f"--steps must be >= 1 (got {self.steps})")
-        if self.ckpt_every is not None and self.ckpt_every < 0:
-            raise ConfigError(f"--ckpt-every must be >= 0 (got {self.ckpt_every})")
-        if self.ckpt_every_seconds is not None and self.ckpt_every_seconds <= 0:
-            raise ConfigError("--ckpt-every-seconds must be > 0")
-        if self.grace_seconds <= 0:
-            raise ConfigError("--grace-seconds must be > 0")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port must be 0..65535 (got {self.metrics_port})")
-        if self.save_mode not in SAVE_MODES:
-            raise ConfigError(f"--save-mode must be one of {', '.join(SAVE_MODES)}")
-        if self.notices not in NOTICE_SOURCES:
-            raise ConfigError(f"--notices must be one of {', '.join(NOTICE_SOURCES)}")
-        if self.notice_poll_seconds <= 0:
-            raise ConfigError("--notice-poll-seconds must be > 0")
-        if self.max_restarts < 0:
-            raise ConfigError("--max-restarts must be >= 0")
-        if self.restart_backoff < 0:
-            raise ConfigError(f"--restart-backoff must be >= 0 (got {self.restart_backoff})")
-        if self.collective_timeout <= 0:
-            raise ConfigError(
-                f"--collective-timeout must be > 0 (got {_number(self.collective_timeout)})"
-            )
-        if self.store_timeout < MIN_STORE_TIMEOUT_S:
-            raise ConfigError(
-                f"--store-timeout must be >= {_number(MIN_STORE_TIMEOUT_S)} "
-                f"(got {_number(self.store_timeout)})"
-            )
-        # torch.manual_seed's range; beyond it the seeding raises deep inside the job
-        if not -(1 << 63) <= self.seed < (1 << 64):
-            raise ConfigError(f"--seed must fit in 64 bits (got {self.seed})")
+        _check_checkpointing(self)
+        _check_metrics_and_notices(self)
+        _check_recovery(self)
         if self.mirror is not None:
             self.mirror = _mirror_of(self.mirror, run_dir=self.run_dir)
         if self.notice_endpoint is not None:
             _check_endpoint(self.notice_endpoint)
+
+
+def _check_finite(config: RunConfig) -> None:
+    for f in fields(config):
+        value = getattr(config, f.name)
+        # nan passes every `> 0` check that follows, and inf turns deadlines and cadences
+        # into never; neither is a meaningful setting
+        if isinstance(value, float) and not math.isfinite(value):
+            option = f"--{f.name.replace('_', '-')}"
+            raise ConfigError(f"{option} must be a finite number (got {value})")
+
+
+def _check_checkpointing(config: RunConfig) -> None:
+    """How long the run is, when it saves, what it keeps and the time a stop has to save."""
+    if config.keep < 2:
+        raise ConfigError(
+            f"--keep must be >= 2 (got {config.keep}): the newest checkpoint may still be in flight"
+        )
+    if config.steps is not None and config.steps < 1:
+        raise ConfigError(f"--steps must be >= 1 (got {config.steps})")
+    if config.ckpt_every is not None and config.ckpt_every < 0:
+        raise ConfigError(f"--ckpt-every must be >= 0 (got {config.ckpt_every})")
+    if config.ckpt_every_seconds is not None and config.ckpt_every_seconds <= 0:
+        raise ConfigError("--ckpt-every-seconds must be > 0")
+    if config.grace_seconds <= 0:
+        raise ConfigError("--grace-seconds must be > 0")
+
+
+def _check_metrics_and_notices(config: RunConfig) -> None:
+    """The metrics server, the save mode and the preemption notices."""
+    if not 0 <= config.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be 0..65535 (got {config.metrics_port})")
+    if config.save_mode not in SAVE_MODES:
+        raise ConfigError(f"--save-mode must be one of {', '.join(SAVE_MODES)}")
+    if config.notices not in NOTICE_SOURCES:
+        raise ConfigError(f"--notices must be one of {', '.join(NOTICE_SOURCES)}")
+    if config.notice_poll_seconds <= 0:
+        raise ConfigError("--notice-poll-seconds must be > 0")
+
+
+def _check_recovery(config: RunConfig) -> None:
+    """Restarts, the timeouts of stores and collectives, and the seed."""
+    if config.max_restarts < 0:
+        raise ConfigError("--max-restarts must be >= 0")
+    if config.restart_backoff < 0:
+        raise ConfigError(f"--restart-backoff must be >= 0 (got {config.restart_backoff})")
+    if config.collective_timeout <= 0:
+        raise ConfigError(
+            f"--collective-timeout must be > 0 (got {_number(config.collective_timeout)})"
+        )
+    if config.store_timeout < MIN_STORE_TIMEOUT_S:
+        raise ConfigError(
+            f"--store-timeout must be >= {_number(MIN_STORE_TIMEOUT_S)} "
+            f"(got {_number(config.store_timeout)})"
+        )
+    # torch.manual_seed's range; beyond it the seeding raises deep inside the job
+    if not -(1 << 63) <= config.seed < (1 << 64):
+        raise ConfigError(f"--seed must fit in 64 bits (got {config.seed})")
 
 
 def _mirror_of(mirror: str, *, run_dir: Path) -> str:

@@ -163,7 +163,7 @@ def drill(
     resumed at M ranks must end at the straight run's samples_seen, every sample consumed
     exactly once. The omission table is single-process: skipped there."""
     from runner.demo.ablations import format_table, run_ablation_study
-    from runner.demo.drill import random_stop_step, report_json, run_drill
+    from runner.demo.drill import report_json, run_drill
 
     if steps < 2 or (stop_at is not None and not 0 < stop_at < steps):
         raise click.BadParameter("need --steps >= 2 and 0 < --stop-at < --steps")
@@ -171,23 +171,16 @@ def drill(
     os.environ["RUNNER_SAVE_MODE"] = save_mode
     mode_line = f"save mode: {save_mode}\n"
     if ranks > 1 or resume_ranks not in (None, ranks):
-        from runner.demo import drill_ranks, drill_ranks_report
-
-        with tempfile.TemporaryDirectory(prefix="runner-drill-") as tmp:
-            ranked = drill_ranks.run_ranked_drill(
-                work_dir=Path(work_dir or tmp),
-                steps=steps,
-                seed=seed,
-                stop_at=random_stop_step(steps) if stop_at is None else stop_at,
-                ranks=ranks,
-                resume_ranks=resume_ranks or 1,
-            )
-        if as_json:
-            click.echo(_with_mode(drill_ranks_report.report_json(ranked), save_mode))
-        else:
-            click.echo(mode_line + drill_ranks_report.report_text(ranked))
-        if (failure := ranked.failure()) is not None:
-            raise IntegrityError(failure)
+        _ranked_drill(
+            work_dir=work_dir,
+            steps=steps,
+            seed=seed,
+            stop_at=stop_at,
+            ranks=ranks,
+            resume_ranks=resume_ranks,
+            save_mode=save_mode,
+            as_json=as_json,
+        )
         return
     with tempfile.TemporaryDirectory(prefix="runner-drill-") as tmp:
         report = run_drill(work_dir=Path(work_dir or tmp), steps=steps, seed=seed, stop_at=stop_at)
@@ -209,6 +202,40 @@ def drill(
         click.echo(format_table(results))
     if not report.exact:
         raise IntegrityError("the resumed run differs from the straight run: resume is not exact")
+
+
+def _ranked_drill(
+    *,
+    work_dir: str | None,
+    steps: int,
+    seed: int,
+    stop_at: int | None,
+    ranks: int,
+    resume_ranks: int | None,
+    save_mode: str,
+    as_json: bool,
+) -> None:
+    """`drill` on several ranks (torchrun), or resumed at another rank count: the runs and
+    their sample audit, reported; IntegrityError when the audit fails. No omission table:
+    the ablations are single-process."""
+    from runner.demo import drill_ranks, drill_ranks_report
+    from runner.demo.drill import random_stop_step
+
+    with tempfile.TemporaryDirectory(prefix="runner-drill-") as tmp:
+        ranked = drill_ranks.run_ranked_drill(
+            work_dir=Path(work_dir or tmp),
+            steps=steps,
+            seed=seed,
+            stop_at=random_stop_step(steps) if stop_at is None else stop_at,
+            ranks=ranks,
+            resume_ranks=resume_ranks or 1,
+        )
+    if as_json:
+        click.echo(_with_mode(drill_ranks_report.report_json(ranked), save_mode))
+    else:
+        click.echo(f"save mode: {save_mode}\n" + drill_ranks_report.report_text(ranked))
+    if (failure := ranked.failure()) is not None:
+        raise IntegrityError(failure)
 
 
 def _with_mode(report: str, save_mode: str) -> str:

@@ -35,7 +35,7 @@ import math
 import os
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from runner.errors import EXIT_FAILURE, EXIT_INTEGRITY, EXIT_PREEMPTED, EXIT_USAGE
@@ -106,23 +106,10 @@ def torchrun_nnodes(command: Sequence[str]) -> int | None:
         return None
     nnodes: str | None = None
     standalone = False
-    i = 0
-    while i < len(args):
-        token = args[i]
-        if token == "--" or not token.startswith("-"):
-            break  # the training script: what follows is its own
-        name, eq, value = token.partition("=")
-        name = _long_option(name)
-        takes_value = name not in _TORCHRUN_FLAGS and not eq
-        if takes_value and not name.startswith("--") and len(name) > 2:
-            takes_value = False  # `-r3`: a short option with its value attached
-        if takes_value:
-            value = args[i + 1] if i + 1 < len(args) else ""
-            i += 1
+    for name, value in _torchrun_options(args):
         if name == "--nnodes":
             nnodes = value
         standalone = standalone or name == "--standalone"
-        i += 1
     if standalone:
         return 1
     if nnodes is None:
@@ -131,6 +118,28 @@ def torchrun_nnodes(command: Sequence[str]) -> int | None:
         return max(int(n) for n in nnodes.split(":", 1))
     except ValueError:
         return None
+
+
+def _torchrun_options(args: Sequence[str]) -> Iterator[tuple[str, str]]:
+    """torchrun's own options in `args` (what follows torchrun) as (full name, value), read
+    as its argparse does: the value is after `=` or, for an option that takes one, the next
+    argument ("" when there is none). Stops at the training script, whose arguments are its
+    own."""
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--" or not token.startswith("-"):
+            return  # the training script: what follows is its own
+        name, eq, value = token.partition("=")
+        name = _long_option(name)
+        takes_value = name not in _TORCHRUN_FLAGS and not eq
+        if takes_value and not name.startswith("--") and len(name) > 2:
+            takes_value = False  # `-r3`: a short option with its value attached
+        if takes_value:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 1
+        yield name, value
+        i += 1
 
 
 def _long_option(name: str) -> str:
