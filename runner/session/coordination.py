@@ -152,14 +152,6 @@ def agree_on_step(
 
 
 @dataclass(frozen=True)
-class _Chosen:
-    step: int
-    path: Path
-    manifest: Manifest
-    from_mirror: bool
-
-
-@dataclass(frozen=True)
 class _Refused:
     error: str
     exit_code: int
@@ -175,21 +167,19 @@ def resolve_on_primary(
     re-raised on the others as a RunnerError with the same exit code."""
     point: ResumePoint[T] | None = None
 
-    def choose() -> _Chosen | None:
+    def choose() -> tuple[CommittedCheckpoint, bool] | None:
         nonlocal point
         point = resolve()
-        if point is None:
-            return None
-        return _Chosen(point.step, point.step_dir, point.manifest, point.from_mirror)
+        return None if point is None else (point.checkpoint, point.from_mirror)
 
     chosen = decided_on_primary(group, choose)
     if group.rank == 0 or chosen is None:
         return point
-    checkpoint = CommittedCheckpoint(step=chosen.step, path=chosen.path, manifest=chosen.manifest)
+    checkpoint, from_mirror = chosen  # the one result type, as rank 0 found it
     return ResumePoint(
         checkpoint=checkpoint,
-        loaded=read(chosen.path, chosen.manifest),
-        from_mirror=chosen.from_mirror,
+        loaded=read(checkpoint.path, checkpoint.manifest),
+        from_mirror=from_mirror,
     )
 
 
