@@ -50,12 +50,7 @@ def find_orphans(
     alone: what cannot be interpreted is not deleted. Nor is an object an aside record
     protects (`aside`: `protected_keys(storage)`, read here when not given); those it would
     otherwise have taken are added to its `kept`."""
-    by_step: dict[int, list[ObjectInfo]] = {}
-    for info in storage.list(f"{CHECKPOINTS_DIR}/"):
-        parts = info.key.split("/")
-        step = parse_step_dir(parts[1]) if len(parts) >= 3 else None
-        if step is not None:
-            by_step.setdefault(step, []).append(info)
+    by_step = _objects_by_step(storage)
     committed = {
         step for step, infos in by_step.items() if any(i.key == manifest_key(step) for i in infos)
     }
@@ -67,35 +62,72 @@ def find_orphans(
     for step, infos in sorted(by_step.items()):
         if step in protect:
             continue
-        if step in committed:
-            try:
-                manifest = read_manifest(storage, step)
-            except RunnerError as exc:
-                log.warning("orphan sweep: leaving step %d alone: %s", step, exc)
-                continue
-            base = checkpoint_key(step)
-            named = {f"{base}/{entry.path}" for entry in manifest.files} | {manifest_key(step)}
-        elif newest is not None and step < newest:
-            named = set()
-        else:  # the newest step or beyond: possibly an upload in flight
+        named = _named_keys(storage, step, committed=committed, newest=newest)
+        if named is None:
             continue
-        for info in infos:
-            if info.key in named or info.modified is None or info.modified > cutoff:
-                continue
+        for info in _stale_unnamed(infos, named, cutoff):
             if info.key in kept:
                 kept.spare(info)
                 spared.append(info.key)
             else:
                 orphans.append(info)
     if spared:
-        log.info(
-            "orphan sweep: keeping %d object(s) in %s that no manifest names but aside records "
-            "do (set aside, never deleted): %s",
-            len(spared),
-            storage.uri,
-            ", ".join(spared[:5]) + (", ..." if len(spared) > 5 else ""),
-        )
+        _log_spared(storage, spared)
     return orphans
+
+
+def _objects_by_step(storage: Storage) -> dict[int, list[ObjectInfo]]:
+    """The objects under `checkpoints/step_N/`, by N; anything else there is not a step's."""
+    by_step: dict[int, list[ObjectInfo]] = {}
+    for info in storage.list(f"{CHECKPOINTS_DIR}/"):
+        parts = info.key.split("/")
+        step = parse_step_dir(parts[1]) if len(parts) >= 3 else None
+        if step is not None:
+            by_step.setdefault(step, []).append(info)
+    return by_step
+
+
+def _named_keys(
+    storage: Storage, step: int, *, committed: Collection[int], newest: int | None
+) -> set[str] | None:
+    """The keys of step `step` that are not debris: what its manifest names (and the manifest
+    itself); nothing for an uncommitted step below the newest committed one. None when the
+    step must be left alone: its manifest cannot be read (what cannot be interpreted is not
+    deleted), or it is the newest step or beyond (possibly an upload in flight)."""
+    if step in committed:
+        try:
+            manifest = read_manifest(storage, step)
+        except RunnerError as exc:
+            log.warning("orphan sweep: leaving step %d alone: %s", step, exc)
+            return None
+        base = checkpoint_key(step)
+        return {f"{base}/{entry.path}" for entry in manifest.files} | {manifest_key(step)}
+    if newest is not None and step < newest:
+        return set()
+    return None
+
+
+def _stale_unnamed(
+    infos: list[ObjectInfo], named: Collection[str], cutoff: float
+) -> list[ObjectInfo]:
+    """The objects `named` leaves out, last modified at or before `cutoff`; one without a
+    modification time is never old enough (its age is unknown)."""
+    return [
+        info
+        for info in infos
+        if not (info.key in named or info.modified is None or info.modified > cutoff)
+    ]
+
+
+def _log_spared(storage: Storage, spared: list[str]) -> None:
+    """Say what the aside records kept from the sweep (the first five keys: there may be many)."""
+    log.info(
+        "orphan sweep: keeping %d object(s) in %s that no manifest names but aside records "
+        "do (set aside, never deleted): %s",
+        len(spared),
+        storage.uri,
+        ", ".join(spared[:5]) + (", ..." if len(spared) > 5 else ""),
+    )
 
 
 def sweep_orphans(

@@ -190,8 +190,8 @@ def report_resume(
     logger: logging.Logger = log,
 ) -> int:
     """Report where attempt number `attempt` continues from; returns the steps lost.
-    Long because it is the one resume report of both entry points, read top to bottom: steps
-    lost, the loss.jsonl marker and backfill, the metrics, the announcement.
+    The one resume report of both entry points, in this order: steps lost, the loss.jsonl
+    marker and backfill, the metrics, the announcement.
 
     Steps logged past the resume point are superseded in loss.jsonl (a marker, for trainers
     that keep one without knowing the rule); `history` (the loss history the checkpoint
@@ -207,25 +207,59 @@ def report_resume(
     step = point.step if point is not None else 0
     if point is not None and counters is not None:
         step = counters.step
-    lost = steps_lost(loss_log, step)
+    lost = steps_lost(loss_log, step)  # read before the marker supersedes those lines
+    _update_loss_log(point, step, loss_log, history, mark_from_scratch=mark_from_scratch)
+    if metrics is not None:
+        _report_resume_metrics(metrics, point, step, lost=lost, attempt=attempt)
+    if announce:
+        _announce_resume(logger, point, step, lost=lost, run_dir=run_dir, counters=counters)
+    return lost
+
+
+def _update_loss_log(
+    point: ResumePoint[Any] | None,
+    step: int,
+    loss_log: LossLog,
+    history: Sequence[float] | None,
+    *,
+    mark_from_scratch: bool,
+) -> None:
+    """The marker that supersedes the lines past `step`, then the lines a fresh node lost."""
     if point is not None or mark_from_scratch:
         loss_log.mark_resume(step)
     if point is not None and history is not None:
         backfill_loss_log(loss_log, history, source=f"checkpoint step {point.step}")
-    if metrics is not None:
-        if point is not None and attempt == 1:
-            created = created_at_unix(point.manifest.created_at) or time.time()
-            where = "remote" if point.checkpoint.store_uri is not None else "local"  # several nodes
-            metrics.checkpoint_found(location=where, step=point.step, created_at=created)
-        if point is not None or attempt > 1:
-            metrics.resumed(steps_lost=lost)
-        if point is not None:
-            metrics.train_step(step)
-    if not announce:
-        return lost
+
+
+def _report_resume_metrics(
+    metrics: ResumeMetrics, point: ResumePoint[Any] | None, step: int, *, lost: int, attempt: int
+) -> None:
+    """A restart counts as a resume even from scratch; the checkpoint found is reported for
+    the first attempt only."""
+    if point is not None and attempt == 1:
+        created = created_at_unix(point.manifest.created_at) or time.time()
+        where = "remote" if point.checkpoint.store_uri is not None else "local"  # several nodes
+        metrics.checkpoint_found(location=where, step=point.step, created_at=created)
+    if point is not None or attempt > 1:
+        metrics.resumed(steps_lost=lost)
+    if point is not None:
+        metrics.train_step(step)
+
+
+def _announce_resume(
+    logger: logging.Logger,
+    point: ResumePoint[Any] | None,
+    step: int,
+    *,
+    lost: int,
+    run_dir: Path,
+    counters: Counters | None,
+) -> None:
+    """The outcome under the caller's `logger`; the samples seen are the restored counters'
+    when there are some (they are where the run continues), the manifest's otherwise."""
     if point is None:
         logger.info("no checkpoint to resume from in %s: starting at step 0", run_dir)
-        return lost
+        return
     logger.info(
         "resumed from %s (step %d, %d samples seen%s)",
         _resumed_where(point),
@@ -233,7 +267,6 @@ def report_resume(
         counters.samples_seen if counters is not None else point.manifest.samples_seen,
         f"; {lost} logged steps after it are redone" if lost else "",
     )
-    return lost
 
 
 def _resumed_where(point: ResumePoint[Any]) -> str:
