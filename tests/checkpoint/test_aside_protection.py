@@ -162,16 +162,25 @@ def test_prune_cli_says_what_aside_records_kept(any_storage: Storage, tmp_path: 
     assert list_checkpoints(storage) == [60, 70] and new[70] <= keys_under(storage, "checkpoints/")
 
 
-@pytest.mark.slow
-def test_repair_sets_a_corrupt_step_aside_keeping_what_a_superseded_record_names(
-    any_storage: Storage, tmp_path: Path
-) -> None:
-    storage = any_storage
+def corrupt_step_over_a_superseded_one(
+    storage: Storage, tmp_path: Path
+) -> tuple[dict[int, set[str]], dict[int, set[str]]]:
+    """Step 20 of an old lineage set aside as superseded, a new lineage's 20, 30, 40 over it,
+    and one byte of the new 20's weights flipped; returns both lineages' keys by step."""
     old = lineage(storage, tmp_path / "old", (20,), seed=1)
     set_aside(storage, (20,), SUPERSEDED)
     new = lineage(storage, tmp_path / "new", (20, 30, 40), seed=2)
     weights = next(k for k in new[20] if k.endswith("weights.bin"))
     flip_byte(storage, weights, tmp_path / "flipped")
+    return old, new
+
+
+@pytest.mark.slow
+def test_repair_sets_a_corrupt_step_aside_keeping_what_a_superseded_record_names(
+    any_storage: Storage, tmp_path: Path
+) -> None:
+    storage = any_storage
+    old, new = corrupt_step_over_a_superseded_one(storage, tmp_path)
 
     done = runner("repair", storage.uri)
     assert done.returncode == 3, done.stdout + done.stderr
@@ -197,11 +206,7 @@ def test_repair_from_a_good_copy_keeps_what_a_superseded_record_names(
     any_storage: Storage, tmp_path: Path
 ) -> None:
     storage = any_storage
-    old = lineage(storage, tmp_path / "old", (20,), seed=1)
-    set_aside(storage, (20,), SUPERSEDED)
-    new = lineage(storage, tmp_path / "new", (20, 30, 40), seed=2)
-    weights = next(k for k in new[20] if k.endswith("weights.bin"))
-    flip_byte(storage, weights, tmp_path / "flipped")
+    old, _new = corrupt_step_over_a_superseded_one(storage, tmp_path)
 
     done = runner("repair", storage.uri, "--from", str(tmp_path / "new"))
     assert done.returncode == 0, done.stdout + done.stderr
