@@ -24,12 +24,37 @@ from runner.supervisor.torchrun import torchrun_nnodes
 log = logging.getLogger("runner.supervisor.supervise")
 
 
+class OneNode:
+    """The whole job on this node: the supervisor resolves the resume point, adopts and
+    follows what the trainer commits, mirrors it and judges a stop's final checkpoint."""
+
+    owns_checkpoints = True
+    stops_workers = False  # a stop goes to the trainer (torchrun forwards it itself)
+    trainer_mirror: str | None = None  # the supervisor mirrors: the trainer is given none
+
+    def describe(self) -> str | None:
+        return None
+
+    def without_resume(self) -> str:
+        """Where the trainer starts from when the supervisor hands it no checkpoint."""
+        return "scratch"
+
+
 @dataclass(frozen=True)
 class MultiNode:
     """One node of `nnodes`, its ranks committing in `mirror` (the normalised URI)."""
 
     nnodes: int
     mirror: str
+    owns_checkpoints = False  # the ranks commit and resume in the mirror themselves
+    stops_workers = True  # a stop goes to each torchrun worker (runner/supervisor/torchrun.py)
+
+    @property
+    def trainer_mirror(self) -> str | None:
+        return self.mirror
+
+    def without_resume(self) -> str:
+        return f"the newest checkpoint in {self.mirror}, as its ranks choose"
 
     def describe(self) -> str:
         return (
@@ -80,3 +105,9 @@ def multi_node_mode(command: Sequence[str], config: RunConfig) -> MultiNode | No
             "the same --mirror (s3://bucket/run)"
         )
     return MultiNode(nnodes=nnodes, mirror=config.mirror)
+
+
+def supervisor_mode(command: Sequence[str], config: RunConfig) -> OneNode | MultiNode:
+    """How `runner run` supervises `command`: one node of several (`multi_node_mode`), or
+    the whole job on this node."""
+    return multi_node_mode(command, config) or OneNode()

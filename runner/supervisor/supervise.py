@@ -61,7 +61,7 @@ from runner.supervisor.ending import (
 )
 from runner.supervisor.environment import child_env
 from runner.supervisor.hooks import MetricsHook, MirrorHook
-from runner.supervisor.multinode import multi_node_mode
+from runner.supervisor.multinode import MultiNode, supervisor_mode
 from runner.supervisor.restarts import (
     ChildCrashed,
     give_up_message,
@@ -102,8 +102,8 @@ class Supervisor:
         self.config = config
         self.controller = controller
         # one node of several: the ranks own the mirror (runner/supervisor/multinode.py)
-        self.nodes = multi_node_mode(self.command, config)
-        self.mirror = mirror if self.nodes is None else None
+        self.mode = supervisor_mode(self.command, config)
+        self.mirror = mirror if self.mode.owns_checkpoints else None
         self.metrics = metrics
         self.restart_backoff = restart_backoff
         self.max_backoff = max_backoff
@@ -145,8 +145,8 @@ class Supervisor:
     def _run_locked(self) -> int:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.writer.cleanup_partial()
-        if self.nodes is not None:
-            log.info("%s", self.nodes.describe())
+        if (described := self.mode.describe()) is not None:
+            log.info("%s", described)
         # files left by a trainer whose supervisor died
         self._adopt(settled=True, follow=False)
         try:
@@ -179,7 +179,7 @@ class Supervisor:
             return EXIT_PREEMPTED
         self.attempts += 1
         try:
-            resume = self._resume_point() if self.nodes is None else None  # else the ranks'
+            resume = self._resume_point() if self.mode.owns_checkpoints else None
         except StartupInterrupted as exc:
             log.warning("%s; the trainer was not started, nothing was trained", exc)
             return EXIT_PREEMPTED
@@ -190,7 +190,7 @@ class Supervisor:
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
         # torchrun: runner/supervisor/torchrun.py; on several nodes stops go to its workers
-        launcher = launcher_for(self.command, stop_workers=self.nodes is not None)
+        launcher = launcher_for(self.command, stop_workers=self.mode.stops_workers)
         child, output = self._start(resume, launcher)
         try:
             watched = watch(
@@ -214,10 +214,10 @@ class Supervisor:
         output.ended = f"{describe_exit(code)} after {time.monotonic() - child.started_at:.1f} s"
         code = launcher.exit_code(code)  # torchrun's 1 for workers that all exited 75, ...
         self._adopt(settled=True)
-        if watched.stop_sent_at is not None and self.nodes is not None:
+        if watched.stop_sent_at is not None and isinstance(self.mode, MultiNode):
             took = time.monotonic() - watched.stop_sent_at
             grace = self.config.grace_seconds
-            return self.nodes.finish_stop(code, killed=watched.killed, took=took, grace=grace)
+            return self.mode.finish_stop(code, killed=watched.killed, took=took, grace=grace)
         if watched.stop_sent_at is not None:
             mute = launcher.mute_exit(code)
             return self._unless_lost(
@@ -265,7 +265,7 @@ class Supervisor:
             resume=resume,
             attempt=self.attempts,
             run_lock=self._run_lock,
-            mirror=self.nodes.mirror if self.nodes is not None else None,
+            mirror=self.mode.trainer_mirror,
         )
         launcher.environment(env, grace_seconds=self.config.grace_seconds)
         child = start_trainer(
@@ -282,9 +282,7 @@ class Supervisor:
     def _resume_text(self, resume: ResumePoint[None] | None) -> str:
         if resume is not None:
             return str(payload_path(resume.step_dir, resume.manifest))
-        if self.nodes is not None:
-            return f"the newest checkpoint in {self.nodes.mirror}, as its ranks choose"
-        return "scratch"
+        return self.mode.without_resume()
 
     def _ended_on_its_own(self, code: int) -> int:
         """The trainer exited without a stop from us: 0 and 75 are passed on (0 once the
@@ -351,7 +349,7 @@ class Supervisor:
         """The trainer's seed files adopted and, with `follow`, the checkpoint dirs it
         committed itself counted (not before the first attempt: resume verifies those). Not on
         one node of several: its ranks commit in the mirror, its run dir holds no checkpoint."""
-        if self.nodes is not None:
+        if not self.mode.owns_checkpoints:
             return
         stopping = self.controller.stop_requested
         self.commits.adopt(settled=settled, stopping=stopping)
