@@ -4,8 +4,9 @@ to every rank, so that every rank raises alike, naming each rank that failed.
 A rank never raises out of a collective step on its own (the others would wait for it until
 the timeout): it hands its `RankFailure` (or None) to `gather_failures`, and every rank then
 raises the same error built from the same list (`describe`). The commit protocols
-(runner.checkpoint.ranked, runner.mirror.nodes) and the multi-node load
-(runner.mirror.node_resume.raise_on_all) use it.
+(runner.checkpoint.ranked, runner.mirror.nodes), the multi-node load
+(runner.mirror.node_resume.raise_on_all) and rank 0's decisions told to every rank
+(runner.session.coordination.decided_on_primary) use it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runner.collective.group import Group
+from runner.errors import EXIT_FAILURE
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,8 @@ class RankFailure:
     kind: str = "other"
     """What sort of failure it is (e.g. a store error worth retrying): the caller maps the
     kinds of all failures to the one error every rank raises."""
+    exit_code: int = EXIT_FAILURE
+    """The exit code of the error it stands for (rank 0's refusal to resume: 2, 3 or 75)."""
 
 
 def gather_failures(group: Group, mine: RankFailure | None) -> list[RankFailure]:

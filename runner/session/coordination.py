@@ -28,6 +28,7 @@ from typing import Any, TypeVar, cast
 
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.writer import CommittedCheckpoint
+from runner.collective.failures import RankFailure
 from runner.collective.group import Group
 from runner.config import RunConfig
 from runner.errors import EXIT_PREEMPTED, ConfigError, RunnerError, StartupInterrupted
@@ -151,12 +152,6 @@ def agree_on_step(
     return StepDecision(stop=bool(stopping), save_reason=None if stopping else reason)
 
 
-@dataclass(frozen=True)
-class _Refused:
-    error: str
-    exit_code: int
-
-
 def resolve_on_primary(
     group: Group,
     resolve: Callable[[], ResumePoint[T] | None],
@@ -191,18 +186,18 @@ def decided_on_primary(group: Group, decide: Callable[[], T]) -> T:
         try:
             outcome = decide()
         except RunnerError as exc:
-            group.broadcast(_Refused(str(exc), exc.exit_code))
+            group.broadcast(RankFailure(0, str(exc), exit_code=exc.exit_code))
             raise
         except BaseException:
-            group.broadcast(_Refused("rank 0 failed while choosing the checkpoint", 1))
+            group.broadcast(RankFailure(0, "rank 0 failed while choosing the checkpoint"))
             raise
         group.broadcast(outcome)
         return outcome
     received: Any = group.broadcast(None)
-    if isinstance(received, _Refused):
+    if isinstance(received, RankFailure):
         if received.exit_code == EXIT_PREEMPTED:
-            raise StartupInterrupted(f"rank 0: {received.error}")
-        raise _PeerRefusal(received.error, received.exit_code)
+            raise StartupInterrupted(f"rank 0: {received.what}")
+        raise _PeerRefusal(received.what, received.exit_code)
     return cast(T, received)
 
 
