@@ -39,7 +39,6 @@ from runner.checkpoint.manifest import FORMAT_DCP, Manifest
 from runner.checkpoint.room import Room, out_of_space
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import CheckpointWriteError, RunnerError
-from runner.preemption.stop import StopController
 from runner.session.capture import (
     LoadsInto,
     ReadInto,
@@ -159,7 +158,7 @@ class Checkpointer:
     ) -> None:
         self.writer = writer
         # how this way of running captures (its group) and commits (runner.session.placement)
-        self.placement = placement if placement is not None else OneProcess(StopController())
+        self.placement = placement if placement is not None else OneProcess()
         # a background saver: the loop copies the state into these buffers and goes on
         self.snapshot_to = snapshot_to
         self.last_stall_seconds: float | None = None  # how long the last save blocked the loop
@@ -314,8 +313,3 @@ class Checkpointer:
         """`read` then `load_into`, for a checkpoint verified moments ago."""
         payload = self.read(step_dir, manifest)
         return load_into(state, lambda _template: payload)
-
-    @staticmethod
-    def load_into(state: TrainState, read: ReadInto, *, restore_rng: bool = True) -> Counters:
-        """runner.session.capture.load_into."""
-        return load_into(state, read, restore_rng=restore_rng)

@@ -68,10 +68,18 @@ class Placement:
     fixes_length_in_samples = False  # --steps is the run's length unless a checkpoint says
     store_uri: str | None = None  # checkpoints are committed in the run dir
 
-    def __init__(self, stop: StopController, group: Group = SINGLE) -> None:
-        self.stop = stop
+    def __init__(self, stop: StopController | None = None, group: Group = SINGLE) -> None:
+        """`stop`: None for a placement that only captures and commits (a bare
+        Checkpointer's default); every session's placement has one."""
+        self._stop = stop
         self.group = group
         self.save_group = group
+
+    @property
+    def stop(self) -> StopController:
+        if self._stop is None:
+            raise RuntimeError("this placement was built without a StopController")
+        return self._stop
 
     # -- the step boundary ------------------------------------------------------------------
 

@@ -146,8 +146,9 @@ class Saves:
     def make_room(self) -> Room | None:
         """A save found the disk full: delete the oldest usable checkpoint older than the
         newest verified one, so that the retry fits (on the saver's thread, like retention).
-        One process only: the ranks of a multi-rank commit would all have to agree."""
-        if not self.placement.makes_room or not self.rank.acts_as_primary:
+        Asked only where the placement makes room (one process: the ranks of a multi-rank
+        commit would all have to agree)."""
+        if not self.rank.acts_as_primary:
             return None
         storage = FileStorage(self.run_dir)
         return make_room(storage, protect=self._in_flight(), known_good=self.known_good)

@@ -120,7 +120,6 @@ class TrainSession:
         except BaseException:
             self._owned.close()  # no session to close: the run dir lock and services
             raise
-        self.background = config.save_mode == "async"
         self.metrics: RunnerMetrics | None = services.metrics
         self.mirror: Mirror | None = services.mirror
         self.run_dir = Path(config.run_dir)

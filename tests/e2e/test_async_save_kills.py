@@ -38,7 +38,7 @@ from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointWriter
-from runner.session.checkpointer import Checkpointer
+from runner.session.capture import load_into
 from tests.fixtures.async_saves import (
     freeze,
     kill_state,
@@ -119,7 +119,7 @@ def committed(ckpt_dir: Path) -> dict[int, Manifest]:
 def loaded_fingerprint(step_dir: Path) -> tuple[int, str]:
     """Load a checkpoint into a fresh state as a resume does; its step and fingerprint."""
     fresh = kill_state()
-    counters = Checkpointer.load_into(fresh, lambda _template: load_state(step_dir))
+    counters = load_into(fresh, lambda _template: load_state(step_dir))
     return counters.step, fresh.fingerprint()
 
 

@@ -13,6 +13,7 @@ from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.session.capture import load_into
 from runner.session.checkpointer import (
     Checkpointer,
     LoadsInto,
@@ -180,7 +181,7 @@ def test_load_into_restores_every_part_bit_exactly_and_training_continues_identi
     target = trained(2, seed=9)  # other weights, optimizer, sampler position, schedule, RNG
     torch.manual_seed(12345)
     assert isinstance(target, LoadsInto)
-    counters = Checkpointer.load_into(
+    counters = load_into(
         target, lambda _template: Checkpointer.read(committed.path, committed.manifest)
     )
     assert counters == source.counters == target.counters
