@@ -17,6 +17,7 @@ from runner.checkpoint.aside import ProtectedKeys, protected_keys
 from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.layout import checkpoint_key, manifest_key
 from runner.checkpoint.listing import list_checkpoints, read_manifest
+from runner.checkpoint.newest import newest_first, read_manifests
 from runner.checkpoint.verify import check_remote_sizes, verify_checkpoint, verify_dir
 from runner.errors import (
     ConfigError,
@@ -40,8 +41,8 @@ def prune(
     remote_sizes_only: bool = False,
     aside: ProtectedKeys | None = None,
 ) -> list[int]:
-    """Keep the newest `keep` checkpoints that are usable; delete older ones. Returns the
-    deleted steps.
+    """Keep the newest `keep` checkpoints that are usable (newest by progress,
+    runner.checkpoint.newest); delete older ones. Returns the deleted steps.
 
     A checkpoint that fails its check is never counted among the K kept, and one newer than
     the K-th kept is left alone (a heal may still replace it). One of a schema this runner
@@ -70,7 +71,7 @@ def prune(
     counted = 0
     deleted = []
     protected = aside  # read once, at the first deletion
-    for step in reversed(steps):
+    for step in newest_first(read_manifests(storage, steps)):
         if counted < keep:
             if step in good or usable(storage, step, sizes_only=remote_sizes_only):
                 good.add(step)

@@ -31,12 +31,12 @@ from runner.checkpoint.formats.dcp import rank_of_file
 from runner.checkpoint.layout import MANIFEST_NAME, checkpoint_key, parse_step_dir
 from runner.checkpoint.listing import (
     check_named_step,
-    list_checkpoints,
     open_local,
     read_manifest,
     read_manifest_dir,
 )
 from runner.checkpoint.manifest import FORMAT_DCP, FileEntry, Manifest, check_relative_path
+from runner.checkpoint.newest import steps_newest_first
 from runner.errors import IntegrityError, RunnerError, StorageNotFoundError
 from runner.storage.base import Storage
 
@@ -136,13 +136,14 @@ def iter_checked(
     on_skip: SkipCallback | None = None,
 ) -> Iterator[Verdict[T]]:
     """The one walk behind every "newest checkpoint that verifies": `check(storage, step)` on
-    each committed checkpoint, newest first in numeric step order, one Verdict each.
+    each committed checkpoint, newest first by progress (runner.checkpoint.newest), one
+    Verdict each.
 
     Lazy: a checkpoint is checked only when its verdict is asked for, so a caller that stops
     at the first good one hashes nothing older. A failure of a `skip` type is yielded (and
     reported to `on_skip(step, why)` first) and the walk goes on; any other error propagates.
     `steps`: walk these, in this order, instead (e.g. the one step a user named)."""
-    for step in reversed(list_checkpoints(storage)) if steps is None else steps:
+    for step in steps_newest_first(storage) if steps is None else steps:
         try:
             value = check(storage, step)
         except skip as exc:

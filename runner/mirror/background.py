@@ -18,9 +18,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from runner.checkpoint.orphans import ORPHAN_MIN_AGE_S, sweep_orphans
+from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.retention import prune
 from runner.checkpoint.verify import check_remote_sizes
 from runner.checkpoint.writer import CommittedCheckpoint
@@ -31,7 +32,7 @@ from runner.errors import (
     SchemaError,
     StorageConflictError,
 )
-from runner.mirror.resume import LoadFn, ResumeChoice, SkipCallback, choose_resume
+from runner.mirror.resume import LoadFn, SkipCallback, choose_resume
 from runner.mirror.upload import remote_manifest, upload_checkpoint
 from runner.preemption.exiting import note_abandoned_work
 from runner.storage.base import ProgressCallback, Storage
@@ -296,7 +297,7 @@ class Mirror:
         progress: ProgressCallback | None = None,
         fresh_start: bool = False,
         refusal_log_level: int = logging.WARNING,
-    ) -> ResumeChoice | None:
+    ) -> ResumePoint[Any] | None:
         """`choose_resume` over the run dir and this mirror's storage (callers go through
         runner.runtime.lifecycle.find_resume). A step of the mirror found corrupt on the way
         is remembered: uploading that step again checks the copy already there and replaces

@@ -22,8 +22,8 @@ from runner.checkpoint.aside import CORRUPT, FOREIGN, decommit_remote
 from runner.checkpoint.counter_check import check_payload_counters
 from runner.checkpoint.formats.dcp import DCP_METADATA, TRAIN_STATE_FILE, rank_file_name
 from runner.checkpoint.layout import checkpoint_key, manifest_key, step_dir_name
-from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.newest import steps_newest_first
 from runner.checkpoint.ranked import LoadsRanked, load_ranked
 from runner.checkpoint.verify import check_remote_sizes
 from runner.checkpoint.writer import CheckpointWriter
@@ -55,8 +55,9 @@ def newest_in_bucket(
     fresh_start: bool = False,
     refused: Mapping[int, BaseException] | None = None,
 ) -> Manifest | None:
-    """The mirror's newest checkpoint that is whole by the cheap check (manifest, every file
-    at its size; the bytes are hashed as each rank fetches them), or None when it holds none.
+    """The mirror's newest checkpoint (by progress) that is whole by the cheap check
+    (manifest, every file at its size; the bytes are hashed as each rank fetches them), or
+    None when it holds none.
     A step that fails the check, or is in `refused` (it failed to load moments ago), is
     skipped with a warning, never touched. When checkpoints exist and none can be used:
     UnusableCheckpointsError (exit 3), as for one node (runner.mirror.resume), unless
@@ -64,7 +65,7 @@ def newest_in_bucket(
     runner cannot read, or that verifies and does not load, as another version's) and the
     run starts at step 0."""
     unusable = dict(refused or {})
-    for step in reversed(list_checkpoints(storage)):
+    for step in steps_newest_first(storage):  # by progress (runner.checkpoint.newest)
         if step in unusable:
             continue
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,10 @@ from runner.checkpoint.layout import (
 )
 from runner.checkpoint.listing import list_checkpoints, read_manifest_dir
 from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.newest import newest_first, read_manifests
+from runner.checkpoint.resume_point import Refusal, ResumePoint
 from runner.checkpoint.verify import verify_dir
+from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import (
     IntegrityError,
     RunnerError,
@@ -51,34 +54,6 @@ SkipCallback = Callable[[int, str], None]
 LoadFn = Callable[[Path, Manifest], Any]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Refusal:
-    """One checkpoint that cannot be resumed from, and why."""
-
-    step: int
-    why: str
-    """What was refused and why, naming the local path or the mirror URI."""
-    foreign: bool
-    """Of a schema or format this runner does not read, or verified but not loadable:
-    possibly good for another version, so set aside as protected."""
-    local_path: Path | None = None
-    """Set for a local checkpoint (a step directory or a seed file)."""
-    remote: Storage | None = None
-    """Set for a checkpoint in the mirror."""
-
-
-@dataclass(kw_only=True)
-class ResumeChoice:
-    step_dir: Path
-    manifest: Manifest
-    loaded: Any = None
-    """What `load` returned (e.g. the train-state dict); None without a `load`."""
-    refused: list[Refusal] = field(default_factory=list)
-    """Newer checkpoints that were skipped on the way to this one."""
-    from_mirror: bool = False
-    """Downloaded from the mirror (so the mirror's copy verified just now)."""
-
-
 def choose_resume(
     run_dir: Path,
     mirror: Storage | None,
@@ -88,11 +63,12 @@ def choose_resume(
     progress: ProgressCallback | None = None,
     fresh_start: bool = False,
     refusal_log_level: int = logging.WARNING,
-) -> ResumeChoice | None:
+) -> ResumePoint[Any] | None:
     """The newest checkpoint that verifies (and that `load` accepts), taken from the run dir
     or, when the mirror has a newer one, downloaded (and verified as it arrives) from it.
+    Newest is by progress (runner.checkpoint.newest: every manifest is read to order them).
     Each checkpoint skipped goes to `on_skip(step, why)` and the next older one is tried;
-    each is hashed once, and nothing older than the chosen one is touched.
+    each is hashed once, and no file older than the chosen one is read.
 
     None when there is no checkpoint anywhere (or, with `fresh_start`, after the unusable
     ones were set aside). UnusableCheckpointsError when checkpoints exist and none can be
@@ -114,28 +90,25 @@ def choose_resume(
         if on_skip is not None:
             on_skip(refusal.step, refusal.why)
 
-    # not checkpoint.verify.iter_checked (one location): two locations' steps, each tried
-    # locally then in the mirror, whose copy may replace only the local one just refused (two
-    # refusals a step), and a manifest-less local step_N counted (list_checkpoints skips it)
-    for step in sorted(set(local_steps) | remote_steps, reverse=True):
+    # two locations' steps, each tried locally then in the mirror, whose copy may replace
+    # only the local one just refused (two refusals a step), and a manifest-less local step_N
+    # counted (list_checkpoints skips it)
+    for step in _newest_first(local_steps, mirror, remote_steps):
         local_refusal: Refusal | None = None
         if step in local_steps:
-            step_dir = local_steps[step]
-            choice = _try_local(step, step_dir, load=load, refuse=refuse)
-            if choice is not None:
+            point = _try_local(step, local_steps[step], load=load, refuse=refuse)
+            if point is not None:
                 log.info("resuming from local checkpoint step %d", step)
-                choice.refused = refused
-                return choice
+                return replace(point, refused=tuple(refused))
             local_refusal = refused[-1]
         if mirror is not None and step in remote_steps:
-            choice = _try_remote(
+            point = _try_remote(
                 step, run_dir, mirror, load=load, refuse=refuse, progress=progress,
                 replacing=local_refusal,
             )  # fmt: skip
-            if choice is not None:
+            if point is not None:
                 log.info("resuming from step %d, downloaded from %s", step, mirror.uri)
-                choice.refused = refused
-                return choice
+                return replace(point, refused=tuple(refused))
     refused.extend(_seed_refusals(seed_files))
     if not refused:
         return None
@@ -143,6 +116,22 @@ def choose_resume(
         raise UnusableCheckpointsError(_refusal_message(run_dir, mirror, refused))
     _set_aside(run_dir, refused)
     return None
+
+
+def _newest_first(
+    local_steps: dict[int, Path], mirror: Storage | None, remote_steps: set[int]
+) -> list[int]:
+    """Every step of the run dir and the mirror, newest first by progress: each ordered by
+    its local manifest, or the mirror's when the local one is missing or unreadable."""
+    known: dict[int, Manifest | None] = {}
+    for step, step_dir in local_steps.items():
+        try:
+            known[step] = read_manifest_dir(step_dir)
+        except (OSError, RunnerError, ValueError):
+            known[step] = None
+    if mirror is not None:
+        known |= read_manifests(mirror, [s for s in remote_steps if known.get(s) is None])
+    return newest_first(known)
 
 
 def _seed_refusals(seed_files: list[Path]) -> list[Refusal]:
@@ -171,10 +160,10 @@ def resolve_resume(
 ) -> Path | None:
     """The local directory of the checkpoint `choose_resume` picks (verified, not loaded).
     It was hashed moments ago: `load_state(..., verified=True)` may skip the second pass."""
-    choice = choose_resume(
+    point = choose_resume(
         run_dir, mirror, on_skip=on_skip, progress=progress, fresh_start=fresh_start
     )
-    return choice.step_dir if choice is not None else None
+    return point.step_dir if point is not None else None
 
 
 def _local_entries(run_dir: Path) -> tuple[dict[int, Path], list[Path]]:
@@ -205,7 +194,7 @@ def _try_local(
     *,
     load: LoadFn | None,
     refuse: Callable[[Refusal], None],
-) -> ResumeChoice | None:
+) -> ResumePoint[Any] | None:
     try:
         # the local-directory check: symlinks refused, files hashed in parallel
         manifest = verify_dir(step_dir)
@@ -220,7 +209,7 @@ def _try_local(
         )
         return None
     if load is None:
-        return ResumeChoice(step_dir=step_dir, manifest=manifest)
+        return _point(step_dir, manifest, loaded=None)
     try:
         loaded = load(step_dir, manifest)
     except RunnerError as exc:
@@ -234,7 +223,7 @@ def _try_local(
             )
         )
         return None
-    return ResumeChoice(step_dir=step_dir, manifest=manifest, loaded=loaded)
+    return _point(step_dir, manifest, loaded=loaded)
 
 
 def _try_remote(
@@ -246,7 +235,7 @@ def _try_remote(
     refuse: Callable[[Refusal], None],
     progress: ProgressCallback | None,
     replacing: Refusal | None,
-) -> ResumeChoice | None:
+) -> ResumePoint[Any] | None:
     """Download a mirror's checkpoint into a staging dir, load it there, and only then put
     it in the run dir (setting aside the unusable local copy of that step, if any): a
     refusal leaves the run dir as it was. Long: download, load and publish share one staging
@@ -290,9 +279,16 @@ def _try_remote(
             refused = (replacing.local_path, FOREIGN if replacing.foreign else CORRUPT)
         with publishing():  # never once a stop has given start-up up (runner.preemption.startup)
             manifest = replace_only_corrupt(manifest, refused=refused).publish(staged, final)
-        return ResumeChoice(step_dir=final, manifest=manifest, loaded=loaded, from_mirror=True)
+        return _point(final, manifest, loaded=loaded, from_mirror=True)
     finally:
         shutil.rmtree(incoming, ignore_errors=True)
+
+
+def _point(
+    step_dir: Path, manifest: Manifest, *, loaded: Any, from_mirror: bool = False
+) -> ResumePoint[Any]:
+    checkpoint = CommittedCheckpoint(step=manifest.step, path=step_dir, manifest=manifest)
+    return ResumePoint(checkpoint=checkpoint, loaded=loaded, from_mirror=from_mirror)
 
 
 def _refusal_message(run_dir: Path, mirror: Storage | None, refused: list[Refusal]) -> str:

@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, Protocol, TypeVar, overload
 
 from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest, created_at_unix
+from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
-from runner.mirror.resume import ResumeChoice, SkipCallback, choose_resume
+from runner.mirror.resume import SkipCallback, choose_resume
 from runner.preemption.startup import run_interruptible
 from runner.preemption.stop import StopController
 from runner.state.counters import Counters
@@ -42,7 +43,7 @@ class ResumeSource(Protocol):
         on_skip: SkipCallback | None = None,
         fresh_start: bool = False,
         refusal_log_level: int = logging.WARNING,
-    ) -> ResumeChoice | None: ...
+    ) -> ResumePoint[Any] | None: ...
 
 
 class ResumeMetrics(Protocol):
@@ -59,31 +60,6 @@ class ResumeMetrics(Protocol):
 
 class FinalUploader(Protocol):
     def upload_now(self, ckpt: CommittedCheckpoint, *, deadline: float | None = None) -> bool: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResumePoint(Generic[T]):
-    """The checkpoint a run continues from, in the run dir (downloaded there if it came from
-    the mirror), and what `load` made of it."""
-
-    checkpoint: CommittedCheckpoint
-    loaded: T
-    from_mirror: bool = False
-    remote: Manifest | None = None
-    """The mirror's manifest as stored, for a checkpoint committed there alone (by the ranks
-    of several nodes): each rank fetches the files it reads from it when it loads."""
-
-    @property
-    def step(self) -> int:
-        return self.checkpoint.step
-
-    @property
-    def step_dir(self) -> Path:
-        return self.checkpoint.path
-
-    @property
-    def manifest(self) -> Manifest:
-        return self.checkpoint.manifest
 
 
 # -- where to resume from ---------------------------------------------------------------------
@@ -140,7 +116,7 @@ def find_resume(
         if metrics is not None:
             metrics.checkpoint_failed("verify")
 
-    def resolve() -> ResumeChoice | None:
+    def resolve() -> ResumePoint[Any] | None:
         if mirror is None:
             return choose_resume(
                 run_dir,
@@ -158,13 +134,7 @@ def find_resume(
             refusal_log_level=refusal_log_level,
         )
 
-    choice = run_interruptible(resolve, stop=stop, what="resume resolution")
-    if choice is None:
-        return None
-    checkpoint = CommittedCheckpoint(
-        step=choice.manifest.step, path=choice.step_dir, manifest=choice.manifest
-    )
-    return ResumePoint(checkpoint=checkpoint, loaded=choice.loaded, from_mirror=choice.from_mirror)
+    return run_interruptible(resolve, stop=stop, what="resume resolution")
 
 
 # -- the resume report ------------------------------------------------------------------------

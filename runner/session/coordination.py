@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.collective.failures import RankFailure
 from runner.collective.group import Group
@@ -34,7 +35,6 @@ from runner.config import RunConfig
 from runner.errors import EXIT_PREEMPTED, ConfigError, RunnerError, StartupInterrupted
 from runner.preemption.policy import REASON_SECONDS, SavePolicy
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import ResumePoint
 
 log = logging.getLogger(__name__)
 

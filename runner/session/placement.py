@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR, step_dir_name
 from runner.checkpoint.manifest import FORMAT_DCP, Manifest
+from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import SINGLE, Group
 from runner.config import RunConfig
@@ -37,7 +38,7 @@ from runner.errors import ConfigError, IntegrityError, RunnerError, SchemaError
 from runner.preemption.policy import SavePolicy
 from runner.preemption.startup import run_interruptible
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import ResumePoint, stop_deadline
+from runner.runtime.lifecycle import stop_deadline
 from runner.runtime.rank import RankContext
 from runner.session.capture import TrainState, load_into
 from runner.session.coordination import (

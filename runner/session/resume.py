@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.manifest import created_at_unix
+from runner.checkpoint.resume_point import ResumePoint
 from runner.metrics.registry import RunnerMetrics
 from runner.preemption.startup import run_interruptible
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import ResumePoint, find_resume, report_resume
+from runner.runtime.lifecycle import find_resume, report_resume
 from runner.session.checkpointer import Checkpointer
 from runner.state.counters import Counters
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.loss_log import LossLog
+from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.collective.group import Group
 from runner.config import RunConfig
@@ -38,7 +39,7 @@ from runner.metrics.registry import RunnerMetrics
 from runner.preemption.policy import SavePolicy
 from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import ResumePoint, end_run
+from runner.runtime.lifecycle import end_run
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, lock_and_serve
 from runner.session.checkpointer import PendingSave, TrainState

@@ -16,6 +16,8 @@ from pathlib import Path
 from runner.checkpoint.layout import parse_step_dir
 from runner.checkpoint.listing import read_manifest_dir
 from runner.checkpoint.loss_log import LossLog
+from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.newest import Progress, newest_first
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import (
     EXIT_FAILURE,
@@ -29,7 +31,6 @@ from runner.preemption.stop import StopController
 from runner.runtime.lifecycle import end_run, stop_deadline
 from runner.supervisor.child import describe_exit
 from runner.supervisor.hooks import MirrorHook
-from runner.supervisor.progress import Progress, newer
 
 # the supervisor's lines keep the one logger name they have always had
 log = logging.getLogger("runner.supervisor.supervise")
@@ -93,7 +94,7 @@ def judge_stop(
     """A final checkpoint is the newest committed one when
 
     - it was committed during this stop (newer by progress than `step_at_stop` and its
-      `samples_at_stop`, runner/supervisor/progress.py: every checkpoint committed or seed
+      `samples_at_stop`, runner/checkpoint/newest.py: every checkpoint committed or seed
       file waiting to be adopted when the stop was forwarded: a seed trainer's adopted .bin,
       or a checkpoint dir a runner child committed; a lower step with more samples, a run
       re-based at more ranks, is fresh), or
@@ -204,26 +205,27 @@ def _log_judgement(
 
 
 def newest_committed(ckpt_dir: Path) -> CommittedCheckpoint | None:
-    """The newest checkpoint directory by progress (runner/supervisor/progress.py) with a
-    valid manifest (committed; not hashed here: resume verifies it)."""
+    """The newest checkpoint directory by progress (runner/checkpoint/newest.py) with a
+    valid manifest (committed; not hashed here: resume verifies it). A directory the trainer
+    set aside since it was listed (the older copy of a re-based state) is passed over."""
     try:
         entries = list(ckpt_dir.iterdir())
     except OSError:
         return None
-    steps = sorted(
-        ((step, e) for e in entries if (step := parse_step_dir(e.name)) is not None),
-        reverse=True,
-    )
-    best: CommittedCheckpoint | None = None
-    for step, step_dir in steps:
+    found: dict[int, tuple[Path, Manifest]] = {}
+    for entry in entries:
+        step = parse_step_dir(entry.name)
+        if step is None:
+            continue
         try:
-            manifest = read_manifest_dir(step_dir)
+            found[step] = (entry, read_manifest_dir(entry))
         except (OSError, RunnerError, ValueError):
             continue
-        ckpt = CommittedCheckpoint(step=step, path=step_dir, manifest=manifest)
-        if newer(ckpt, best):
-            best = ckpt
-    return best
+    for step in newest_first({step: manifest for step, (_, manifest) in found.items()}):
+        step_dir, manifest = found[step]
+        if step_dir.is_dir():
+            return CommittedCheckpoint(step=step, path=step_dir, manifest=manifest)
+    return None
 
 
 def last_logged_step(run_dir: Path) -> int | None:

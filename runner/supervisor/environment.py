@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from runner.checkpoint.resume_point import ResumePoint
 from runner.config import RunConfig
-from runner.runtime.lifecycle import ResumePoint
 from runner.runtime.runlock import RunDirLock
 from runner.supervisor.adopt import payload_path
 

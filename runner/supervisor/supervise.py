@@ -32,6 +32,7 @@ from typing import BinaryIO
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.loss_log import LossLog
+from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import (
@@ -47,7 +48,7 @@ from runner.errors import (
 from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
 from runner.runtime import runlock
-from runner.runtime.lifecycle import ResumePoint, find_resume, report_resume, stop_deadline
+from runner.runtime.lifecycle import find_resume, report_resume, stop_deadline
 from runner.supervisor.adopt import payload_path
 from runner.supervisor.child import (
     DEFAULT_TAIL_LINES,

@@ -1,7 +1,7 @@
 """What the supervised trainer has committed so far: its seed files adopted as they appear
 (metrics, mirror, retention), its step followed in loss.jsonl, the newest checkpoint, and the
 newest step there was when a stop was forwarded (what a final checkpoint must be newer than).
-"Newest" is by progress (runner/supervisor/progress.py): a run re-based at a lower step (resumed
+"Newest" is by progress (runner/checkpoint/newest.py): a run re-based at a lower step (resumed
 at more ranks) is followed, and its mirror's stale higher steps de-committed
 (runner/supervisor/rebased.py)."""
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runner.checkpoint.layout import parse_seed_bin
 from runner.checkpoint.loss_log import LossFollower
+from runner.checkpoint.newest import Progress, newer, newest_of
 from runner.checkpoint.retention import prune
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
@@ -23,7 +24,6 @@ from runner.storage.retry import store_deadline
 from runner.supervisor.adopt import Adopted, SeedAdopter
 from runner.supervisor.ending import StopJudgement, judge_stop, last_logged_step, newest_committed
 from runner.supervisor.hooks import MetricsHook, MirrorHook
-from runner.supervisor.progress import Progress, newer, newest_of
 from runner.supervisor.rebased import RebaseFollower, rebased_from
 
 log = logging.getLogger("runner.supervisor.supervise")
