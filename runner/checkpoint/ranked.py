@@ -30,6 +30,7 @@ from runner.checkpoint.staging import Staging
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.collective.failures import RankFailure, describe
 from runner.collective.group import Group
+from runner.collective.step import RanksFailed, Step
 from runner.errors import CheckpointWriteError, IntegrityError, RunnerError
 from runner.state.counters import Counters
 from runner.state.ranked import RankedPayload
@@ -57,53 +58,38 @@ class LoadsRanked(Protocol):
 def write_ranked(
     writer: CheckpointWriter, part: RankedPayload, *, meta: CheckpointMeta, group: Group
 ) -> CommittedCheckpoint:
-    """Commit one checkpoint of every rank's part; called by every rank at the same step."""
-    if group.rank == 0:
-        try:
-            staging = writer.staging(meta.step)
-            stage = staging.__enter__()
-        except (OSError, RunnerError) as exc:
-            # the others wait for the staging dir's name: tell them instead
-            group.broadcast([RankFailure(0, f"could not create the staging directory: {exc}")])
-            raise
-        with contextlib.ExitStack() as cleanup:
-            cleanup.push(staging)
-            group.broadcast(stage.path.name)
-            entries = write_part(stage, part, group)
-            parts = group.all_gather(entries)
-            failed = [p for p in parts if isinstance(p, RankFailure)]
-            if failed:
-                group.broadcast(failed)
-                raise not_committed(failed, rank=0)
+    """Commit one checkpoint of every rank's part; called by every rank at the same step.
+    Two collective steps (runner.collective.step): rank 0's staging dir, then every rank's
+    part and rank 0's commit. Rank 0's own failure is raised there as it is (a full disk
+    stays a full disk); every other rank raises CheckpointWriteError naming it."""
+    step = Step(group, fail=not_committed, own=(OSError, RunnerError))
+    staged: Staging | None = None  # rank 0's, whose file list becomes the manifest
+    with contextlib.ExitStack() as cleanup:
+
+        def stage_dir() -> str:
+            nonlocal staged
+            staged = cleanup.enter_context(writer.staging(meta.step))
+            return staged.path.name
+
+        name = step.decide(stage_dir, what="could not create the staging directory")
+        stage = staged or Staging(writer.ckpt_dir / name)
+
+        def commit(parts: list[list[FileEntry]]) -> CommittedCheckpoint:
+            assert staged is not None
             # the manifest names only files rank 0 sees at the size their rank wrote
             unseen = [f for r, p in enumerate(parts) if (f := _not_there(stage.path, r, p))]
             if unseen:
-                group.broadcast(unseen)
-                raise not_committed(unseen, rank=0)
-            stage.files = [entry for p in parts for entry in p]
-            try:
-                committed = writer.commit(stage, meta=meta, format=FORMAT_DCP)
-            except (OSError, RunnerError) as exc:
-                group.broadcast([RankFailure(0, f"the commit failed: {exc}")])
-                raise
-            group.broadcast(committed)
-            return committed
-    name: str | list[RankFailure] = group.broadcast("")
-    if isinstance(name, list):
-        raise not_committed(name, rank=group.rank)
-    stage = Staging(writer.ckpt_dir / name)
-    group.all_gather(write_part(stage, part, group))
-    outcome = group.broadcast(None)
-    if isinstance(outcome, list):
-        raise not_committed(outcome, rank=group.rank)
-    assert isinstance(outcome, CommittedCheckpoint)
-    return outcome
+                raise RanksFailed(unseen)
+            staged.files = [entry for p in parts for entry in p]
+            return writer.commit(staged, meta=meta, format=FORMAT_DCP)
+
+        return step.run(lambda: write_part(stage, part, group), commit, decides="the commit failed")
 
 
-def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEntry] | RankFailure:
+def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEntry]:
     """COLLECTIVE (DCP's save): this rank's files in `stage` (rank 0's include DCP's index
-    and the shared train state), or what failed (never raised: every rank must reach the
-    gather that follows)."""
+    and the shared train state). The local work of a collective step: what it raises is told
+    to every rank."""
     try:
         entries = save_dcp(stage.path, part.tensors, process_group=group.process_group)
         own = Staging(stage.path)  # this rank's own list; the stage's is rank 0's manifest
@@ -112,7 +98,7 @@ def write_part(stage: Staging, part: RankedPayload, group: Group) -> list[FileEn
             entries.append(own.write_torch(TRAIN_STATE_FILE, part.shared))
     except (OSError, RunnerError, RuntimeError) as exc:
         log.error("rank %d could not write its part of the checkpoint: %s", part.rank, exc)
-        return RankFailure(part.rank, str(exc))
+        raise
     return entries
 
 
@@ -138,7 +124,7 @@ def _not_there(stage: Path, rank: int, entries: list[FileEntry]) -> RankFailure 
     )
 
 
-def not_committed(failed: list[RankFailure], *, rank: int) -> CheckpointWriteError:
+def not_committed(failed: list[RankFailure], rank: int) -> CheckpointWriteError:
     return CheckpointWriteError(
         f"the checkpoint was not committed: {describe(failed, rank=rank)}. Nothing partial "
         "is visible; the previous checkpoint is intact"

@@ -27,8 +27,9 @@ from runner.checkpoint.newest import steps_newest_first
 from runner.checkpoint.ranked import LoadsRanked, load_ranked
 from runner.checkpoint.verify import check_remote_sizes
 from runner.checkpoint.writer import CheckpointWriter
-from runner.collective.failures import RankFailure, describe, gather_failures
+from runner.collective.failures import RankFailure, describe
 from runner.collective.group import Group
+from runner.collective.step import Step, kind_of
 from runner.errors import (
     IntegrityError,
     PayloadNotLoadableError,
@@ -174,32 +175,28 @@ def load_from_bucket(
 def raise_on_all(
     group: Group, error: BaseException | None, *, where: str, scratch: Path | None = None
 ) -> None:
-    """COLLECTIVE: when any rank failed to fetch or load (`error`: this rank's, or None),
-    raise on every rank the same type: StorageTransientError when any failure is worth
-    retrying (exit 1), IntegrityError when a file did not verify, else
-    PayloadNotLoadableError (it verified and does not load into this state). Names the
-    bucket's key (`where`), not the scratch dir."""
-    mine = None
-    if error is not None:
-        kind = (
-            "transient"
-            if isinstance(error, StorageTransientError)
-            else "integrity"
-            if isinstance(error, IntegrityError)
-            else "other"
-        )
+    """COLLECTIVE (a gather step, runner.collective.step): when any rank failed to fetch or
+    load (`error`: this rank's, or None), raise on every rank the same type:
+    StorageTransientError when any failure is worth retrying (exit 1), IntegrityError when a
+    file did not verify, else PayloadNotLoadableError (it verified and does not load into
+    this state). Names the bucket's key (`where`), not the scratch dir."""
+
+    def mine() -> RankFailure | None:
+        if error is None:
+            return None
         text = str(error) if scratch is None else str(error).replace(str(scratch), where)
-        mine = RankFailure(group.rank, text, kind)
-    failures = gather_failures(group, mine)
-    if not failures:
-        return
-    what = f"{where} could not be loaded: {describe(failures)}"
-    kinds = {f.kind for f in failures}
-    if "transient" in kinds:
-        raise StorageTransientError(f"{what}. The store may recover: exiting 1 to retry")
-    if "integrity" in kinds:
-        raise IntegrityError(what)
-    raise PayloadNotLoadableError(what) from error
+        return RankFailure(group.rank, text, kind_of(error))
+
+    def fail(failures: list[RankFailure], rank: int) -> RunnerError:
+        what = f"{where} could not be loaded: {describe(failures)}"
+        kinds = {f.kind for f in failures}
+        if "transient" in kinds:
+            return StorageTransientError(f"{what}. The store may recover: exiting 1 to retry")
+        if "integrity" in kinds:
+            return IntegrityError(what)
+        return PayloadNotLoadableError(what)
+
+    Step(group, fail=fail).gather(mine)
 
 
 class _Fetcher:

@@ -23,7 +23,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from runner.checkpoint.existing import same_state
 from runner.checkpoint.layout import ATTEMPT_FIELD, checkpoint_key, step_dir_name
@@ -33,6 +33,7 @@ from runner.checkpoint.staging import Staging
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.collective.failures import RankFailure
 from runner.collective.group import Group
+from runner.collective.step import Step
 from runner.errors import (
     CheckpointWriteError,
     IntegrityError,
@@ -72,91 +73,73 @@ def commit_to_bucket(
     bucket: NodeBucket,
 ) -> CommittedCheckpoint:
     """COLLECTIVE: commit one checkpoint of every rank's part in the mirror (module
-    docstring); returns it on every rank (its `store_uri` the mirror), or raises on every rank."""
-    attempt = new_attempt_id(bucket.writer_id) if group.rank == 0 else ""
-    attempt = group.broadcast(attempt)
-    parts = _stage_and_upload(writer, part, meta=meta, group=group, bucket=bucket, attempt=attempt)
-    if group.rank != 0:
-        result = group.broadcast(None)
-        if isinstance(result, list):
-            raise not_committed(result, rank=group.rank)
-        assert isinstance(result, CommittedCheckpoint)
-        return result
-    manifest = _commit_manifest(
-        writer, parts, meta=meta, group=group, bucket=bucket, attempt=attempt
-    )
-    committed = CommittedCheckpoint(
-        step=meta.step,
-        path=writer.ckpt_dir / step_dir_name(meta.step),
-        manifest=manifest,
-        store_uri=bucket.storage.uri,
-    )
-    group.broadcast(committed)
-    return committed
-
-
-def _stage_and_upload(
-    writer: CheckpointWriter,
-    part: RankedPayload,
-    *,
-    meta: CheckpointMeta,
-    group: Group,
-    bucket: NodeBucket,
-    attempt: str,
-) -> list[Any]:
-    """COLLECTIVE: every rank saves its part into a staging dir of its own and uploads it
-    to the attempt dir; returns every rank's file entries, or what went wrong on each."""
+    docstring); returns it on every rank (its `store_uri` the mirror), or raises
+    CheckpointWriteError on every rank. Collective steps (runner.collective.step): rank 0's
+    attempt id; every rank's staging dir, at the same step; every rank's upload; rank 0's
+    manifest."""
+    step = Step(group, fail=not_committed, own=(CheckpointWriteError,))
+    attempt = step.decide(lambda: new_attempt_id(bucket.writer_id))
     base = f"{checkpoint_key(meta.step)}/{attempt}"
     with contextlib.ExitStack() as stack:
-        try:
-            stage: Staging | RankFailure = stack.enter_context(writer.staging(meta.step))
-        except (OSError, RunnerError) as exc:
-            stage = RankFailure(group.rank, f"could not create its staging directory: {exc}")
+        stage: Staging | None = None
+
+        def stage_dir() -> int:
+            nonlocal stage
+            stage = stack.enter_context(writer.staging(meta.step))
+            return meta.step
+
         # DCP's save is collective: every rank enters it, or none does; and every rank must
         # be saving the same step (a save one rank gave up on early must not pair with the
         # others' next one)
-        staged = group.all_gather((meta.step, stage))
-        steps = {step for step, _ in staged}
-        failed = [p for _, p in staged if isinstance(p, RankFailure)]
-        if len(steps) > 1:
-            failed.append(RankFailure(group.rank, f"the ranks are saving different steps {steps}"))
-        if failed:
-            return list(failed)
-        assert isinstance(stage, Staging)
-        outcome = write_part(stage, part, group)
-        if not isinstance(outcome, RankFailure):
-            outcome = _upload_part(stage, outcome, bucket=bucket, base=base, rank=group.rank)
-        return group.all_gather(outcome)
+        steps = step.gather(stage_dir, what="could not create its staging directory")
+        if differ := [
+            RankFailure(r, f"it is saving step {s}, rank 0 step {steps[0]}")
+            for r, s in enumerate(steps)
+            if s != steps[0]
+        ]:
+            raise not_committed(differ, group.rank)  # every rank sees the same list
+        assert stage is not None
+        staged = stage
+
+        def upload() -> list[FileEntry]:
+            entries = write_part(staged, part, group)
+            return _upload_part(staged, entries, bucket=bucket, base=base, rank=group.rank)
+
+        def commit(parts: list[list[FileEntry]]) -> CommittedCheckpoint:
+            manifest = _commit_manifest(writer, parts, meta=meta, bucket=bucket, attempt=attempt)
+            return CommittedCheckpoint(
+                step=meta.step,
+                path=writer.ckpt_dir / step_dir_name(meta.step),
+                manifest=manifest,
+                store_uri=bucket.storage.uri,
+            )
+
+        return step.run(
+            upload,
+            commit,
+            decides="the manifest was not written",
+            # no manifest names what was uploaded: it goes before any rank hears of it
+            undo=lambda: _names_attempt(bucket, meta.step, attempt),
+        )
 
 
 def _commit_manifest(
     writer: CheckpointWriter,
-    parts: list[Any],
+    parts: list[list[FileEntry]],
     *,
     meta: CheckpointMeta,
-    group: Group,
     bucket: NodeBucket,
     attempt: str,
 ) -> Manifest:
-    """Rank 0: the manifest of every rank's files, put last, create-only; a failure (or the
-    ranks' own) is broadcast to every rank and raised alike."""
-    failed = [p for p in parts if isinstance(p, RankFailure)]
+    """Rank 0: the manifest of every rank's files, put last, create-only. When the put
+    failed and yet its manifest landed (only the answer was lost), committed."""
+    local = writer.manifest_for([entry for p in parts for entry in p], meta=meta, format=FORMAT_DCP)
     try:
-        if failed:
-            raise not_committed(failed, rank=0)
-        files = [entry for p in parts for entry in p]
-        local = writer.manifest_for(files, meta=meta, format=FORMAT_DCP)
         return _put_manifest(bucket, local, attempt=attempt)
-    except BaseException as exc:
-        landed = _names_attempt(bucket, meta.step, attempt)  # if not, its objects go
-        if landed and not failed:
-            return local  # the manifest landed, only its answer was lost: committed
-        told = failed or [RankFailure(0, f"the manifest was not written: {exc}")]
-        group.broadcast(told)
-        if not isinstance(exc, Exception) or isinstance(exc, CheckpointWriteError):
-            raise
-        # the same error on every rank: training goes on after it, or stops, on all
-        raise not_committed(told, rank=0) from exc
+    except BaseException:
+        if _names_attempt(bucket, meta.step, attempt):  # if not, its objects go
+            return local
+        raise
 
 
 def _names_attempt(bucket: NodeBucket, step: int, attempt: str) -> bool:
@@ -177,8 +160,8 @@ def _names_attempt(bucket: NodeBucket, step: int, attempt: str) -> bool:
 
 def _upload_part(
     stage: Staging, entries: list[FileEntry], *, bucket: NodeBucket, base: str, rank: int
-) -> list[FileEntry] | RankFailure:
-    """This rank's files into the attempt dir, each checked there; what failed otherwise."""
+) -> list[FileEntry]:
+    """This rank's files into the attempt dir, each checked there."""
     try:
         for entry in entries:
             # asked per file: a stop during a periodic save's upload bounds what is left of it
@@ -192,7 +175,7 @@ def _upload_part(
                 )
     except (OSError, RunnerError) as exc:
         log.error("rank %d could not upload its part of the checkpoint: %s", rank, exc)
-        return RankFailure(rank, f"upload to {bucket.storage.uri} failed: {exc}")
+        raise CheckpointWriteError(f"upload to {bucket.storage.uri} failed: {exc}") from exc
     return entries
 
 

@@ -24,13 +24,14 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TypeVar
 
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.collective.failures import RankFailure
 from runner.collective.group import Group
+from runner.collective.step import Step
 from runner.config import RunConfig
 from runner.errors import EXIT_PREEMPTED, ConfigError, RunnerError, StartupInterrupted
 from runner.preemption.policy import REASON_SECONDS, SavePolicy
@@ -180,25 +181,18 @@ def resolve_on_primary(
 
 def decided_on_primary(group: Group, decide: Callable[[], T]) -> T:
     """Rank 0's `decide()`, broadcast to every rank (which must all call this at the same
-    point). What rank 0 raises is raised there and re-raised on the others as a RunnerError
-    with the same exit code (StartupInterrupted for a stop that gave start-up up)."""
-    if group.rank == 0:
-        try:
-            outcome = decide()
-        except RunnerError as exc:
-            group.broadcast(RankFailure(0, str(exc), exit_code=exc.exit_code))
-            raise
-        except BaseException:
-            group.broadcast(RankFailure(0, "rank 0 failed while choosing the checkpoint"))
-            raise
-        group.broadcast(outcome)
-        return outcome
-    received: Any = group.broadcast(None)
-    if isinstance(received, RankFailure):
-        if received.exit_code == EXIT_PREEMPTED:
-            raise StartupInterrupted(f"rank 0: {received.what}")
-        raise _PeerRefusal(received.what, received.exit_code)
-    return cast(T, received)
+    point: a decision step, runner.collective.step). What rank 0 raises is raised there and
+    re-raised on the others as a RunnerError with the same exit code (StartupInterrupted for
+    a stop that gave start-up up)."""
+    return Step(group, fail=_refused, own=(Exception,)).decide(decide)
+
+
+def _refused(failures: list[RankFailure], rank: int) -> RunnerError:
+    """Rank 0's refusal to resume (or giving up), as this rank raises it."""
+    (told,) = failures
+    if told.exit_code == EXIT_PREEMPTED:
+        return StartupInterrupted(f"rank 0: {told.what}")
+    return _PeerRefusal(told.what, told.exit_code)
 
 
 class _PeerRefusal(RunnerError):
