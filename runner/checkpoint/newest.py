@@ -21,7 +21,7 @@ from typing import Protocol
 
 from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.manifest import Manifest
-from runner.errors import RunnerError
+from runner.errors import IntegrityError
 from runner.storage.base import Storage
 
 
@@ -101,16 +101,18 @@ def newest_first(manifests: Mapping[int, Manifest | None]) -> list[int]:
 
 def read_manifests(storage: Storage, steps: Iterable[int]) -> dict[int, Manifest | None]:
     """Each step's manifest at `storage` (bounded, parsed, its named step), None for one that
-    cannot be read. One after another, in this thread: a stop's store deadline (a context
-    variable) bounds each read, and a store holds a handful (--keep)."""
+    is missing or does not parse. A store that fails (after its retries) raises: nothing can
+    be ordered without it, and its first error is the one that says how. One after another,
+    newest-numbered first, in this thread: a stop's store deadline (a context variable)
+    bounds each read, and a store holds a handful (--keep)."""
 
     def read(step: int) -> Manifest | None:
         try:
             return read_manifest(storage, step)
-        except RunnerError:
+        except IntegrityError:
             return None
 
-    return {step: read(step) for step in steps}
+    return {step: read(step) for step in sorted(steps, reverse=True)}
 
 
 def steps_newest_first(storage: Storage) -> list[int]:

@@ -58,21 +58,26 @@ def _ls_rows(storage: Storage, *, deep: bool, now: float) -> list[dict[str, Any]
     """One row per checkpoint, newest first: what its manifest claims, and with `deep`
     whether its files verify."""
     from runner.checkpoint.listing import list_checkpoints, read_manifest
-    from runner.checkpoint.newest import newest_first, read_manifests
+    from runner.checkpoint.manifest import Manifest
+    from runner.checkpoint.newest import newest_first
     from runner.checkpoint.verify import verify_checkpoint
     from runner.errors import RunnerError
 
-    claimed = read_manifests(storage, list_checkpoints(storage))
+    claimed: dict[int, Manifest | None] = {}
+    unread: dict[int, RunnerError] = {}  # each row says why its manifest was not read
+    for step in sorted(list_checkpoints(storage), reverse=True):
+        try:
+            claimed[step] = read_manifest(storage, step)
+        except RunnerError as exc:
+            claimed[step], unread[step] = None, exc
     rows: list[dict[str, Any]] = []
     for step in newest_first(claimed):  # newest by progress, as resume picks
         row: dict[str, Any] = {"step": step, "verified": None, "error": None}
         manifest = None
         try:
-            manifest = (
-                verify_checkpoint(storage, step)
-                if deep
-                else claimed[step] or read_manifest(storage, step)  # the latter says why not
-            )
+            if step in unread:  # with --verify too: it cannot verify without its manifest
+                raise unread[step]
+            manifest = verify_checkpoint(storage, step) if deep else claimed[step]
         except RunnerError as exc:
             row.update(verified=False if deep else None, error=str(exc), verdict=_verdict(exc))
             if deep:

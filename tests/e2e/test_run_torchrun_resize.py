@@ -274,8 +274,9 @@ def test_a_stop_whose_rebased_step_never_reaches_the_bucket_exits_1_and_the_next
     """As above, but the bucket refuses every manifest (503) for the whole rescaled attempt:
     the re-based checkpoint never lands, nor anything after it, so the stop exits 1, not 75,
     and the bucket keeps the older lineage's newest (the rest of it from the re-based step up
-    kept aside). The same command again, the bucket healthy, resumes that one, re-bases again
-    and ends with only the new lineage above the re-based step."""
+    kept aside). The same command again, the bucket healthy, resumes the run dir's newest work
+    (the re-based lineage's, newer by samples seen than the bucket's older step) and ends
+    with the new lineage above the re-based step."""
     location = f"s3://{s3_server.create_bucket()}/run"
     through_proxy = {**s3_server.env(), "AWS_ENDPOINT_URL_S3": fault_proxy.endpoint}
     for name, value in s3_server.env().items():
@@ -309,17 +310,24 @@ def test_a_stop_whose_rebased_step_never_reaches_the_bucket_exits_1_and_the_next
     assert kept == {stopped: (stopped * BATCH, 1)}, said
     assert all(world == 1 for _, world in _bucket(remote).values()), said
 
+    # the run dir holds the re-based lineage's newer work, which never reached the bucket:
+    # newest by progress (samples seen), it is resumed, not the bucket's older step
+    local = _bucket(run_dir)
+    newest = max(local, key=lambda step: local[step])
+    assert local[newest][1] == 2 and local[newest][0] > stopped * BATCH, local
     refusing.clear()
     again = start(ranks=2)
     assert again.wait(300) == 0, again.err
-    assert f"resuming from step {stopped}, downloaded from {location}" in again.err, again.err
-    assert f"re-basing the run at step {rescaled} before training" in again.err, again.err
+    assert f"resuming from local checkpoint step {newest}" in again.err, again.err
+    assert "re-basing the run" not in again.err, again.err
     bucket = _bucket(remote)
     said = f"bucket {bucket}:\n{again.err}"
     # the run's length in samples, at 2 * BATCH a step from the re-based one (rounded up)
     assert max(bucket) == rescaled - (stopped * BATCH - STEPS * BATCH) // (2 * BATCH), said
     for step, (samples, world) in bucket.items():
-        assert step <= rescaled or world == 2, said
-        if step > rescaled:
+        # above the re-based step: the new lineage, and at most the older one's step kept
+        # (retention by progress takes it first; it is never resumed over newer work)
+        assert step <= rescaled or world == 2 or step == stopped, said
+        if step > rescaled and world == 2:
             assert samples == stopped * BATCH + (step - rescaled) * 2 * BATCH, said
     _verify(location)
