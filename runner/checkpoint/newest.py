@@ -21,7 +21,7 @@ from typing import Protocol
 
 from runner.checkpoint.listing import list_checkpoints, read_manifest
 from runner.checkpoint.manifest import Manifest
-from runner.errors import IntegrityError
+from runner.errors import IntegrityError, RunnerError
 from runner.storage.base import Storage
 
 
@@ -99,17 +99,23 @@ def newest_first(manifests: Mapping[int, Manifest | None]) -> list[int]:
     return walk + unreadable
 
 
-def read_manifests(storage: Storage, steps: Iterable[int]) -> dict[int, Manifest | None]:
+def read_manifests(
+    storage: Storage, steps: Iterable[int], *, unread: dict[int, RunnerError] | None = None
+) -> dict[int, Manifest | None]:
     """Each step's manifest at `storage` (bounded, parsed, its named step), None for one that
     is missing or does not parse. A store that fails (after its retries) raises: nothing can
-    be ordered without it, and its first error is the one that says how. One after another,
-    newest-numbered first, in this thread: a stop's store deadline (a context variable)
-    bounds each read, and a store holds a handful (--keep)."""
+    be ordered without it, and its first error is the one that says how. With `unread`, no
+    error is raised: each step's goes there (`runner ls` shows each on its row). One after
+    another, newest-numbered first, in this thread: a stop's store deadline (a context
+    variable) bounds each read, and a store holds a handful (--keep)."""
+    kept: type[RunnerError] = IntegrityError if unread is None else RunnerError
 
     def read(step: int) -> Manifest | None:
         try:
             return read_manifest(storage, step)
-        except IntegrityError:
+        except kept as exc:
+            if unread is not None:
+                unread[step] = exc
             return None
 
     return {step: read(step) for step in sorted(steps, reverse=True)}

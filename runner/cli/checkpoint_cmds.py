@@ -58,18 +58,12 @@ def _ls_rows(storage: Storage, *, deep: bool, now: float) -> list[dict[str, Any]
     """One row per checkpoint, newest first: what its manifest claims, and with `deep`
     whether its files verify."""
     from runner.checkpoint.listing import list_checkpoints, read_manifest
-    from runner.checkpoint.manifest import Manifest
-    from runner.checkpoint.newest import newest_first
+    from runner.checkpoint.newest import newest_first, read_manifests
     from runner.checkpoint.verify import verify_checkpoint
     from runner.errors import RunnerError
 
-    claimed: dict[int, Manifest | None] = {}
     unread: dict[int, RunnerError] = {}  # each row says why its manifest was not read
-    for step in sorted(list_checkpoints(storage), reverse=True):
-        try:
-            claimed[step] = read_manifest(storage, step)
-        except RunnerError as exc:
-            claimed[step], unread[step] = None, exc
+    claimed = read_manifests(storage, list_checkpoints(storage), unread=unread)
     rows: list[dict[str, Any]] = []
     for step in newest_first(claimed):  # newest by progress, as resume picks
         row: dict[str, Any] = {"step": step, "verified": None, "error": None}

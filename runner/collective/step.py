@@ -7,8 +7,8 @@ the primary (global rank 0), the outcome on all, and every failure raised alike 
     rank 0      `decide(values)` when no rank failed; the outcome is broadcast
     every rank  the outcome, or the one error `fail` builds from the list of failures
 
-A step without `local` is rank 0's decision alone (one broadcast); one without `decide` is
-the gather alone (every rank's value, or the error on all). The commit of several ranks
+`decide` alone is rank 0's decision (one broadcast); `gather` alone is every rank's value,
+or the error on all; `run` is both. The commit of several ranks
 (runner.checkpoint.ranked, runner.mirror.nodes), the multi-node load
 (runner.mirror.node_resume) and the resume point chosen on rank 0
 (runner.session.coordination) are built of these steps.
@@ -68,19 +68,17 @@ class Step:
 
     def run(
         self,
-        local: Callable[[], L] | None,
+        local: Callable[[], L],
         decide: Callable[[list[L]], T],
         *,
         what: str = "",
         decides: str = "",
         undo: Callable[[], object] | None = None,
     ) -> T:
-        """COLLECTIVE: `decide` on rank 0 over every rank's `local()` (`local` None: over
-        nothing), broadcast. `what` / `decides` prefix the text of a failure of each part.
-        A `local` that returns a RankFailure reports that failure as its own. `undo`: rank
-        0's clean-up when a rank's local work failed, done before any rank raises."""
-        if local is None:
-            return self.decide(lambda: decide([]), what=decides)
+        """COLLECTIVE: `decide` on rank 0 over every rank's `local()`, broadcast. `what` /
+        `decides` prefix the text of a failure of each part. A `local` that returns a
+        RankFailure reports that failure as its own. `undo`: rank 0's clean-up when a rank's
+        local work failed, done before any rank raises."""
         values, failures, own = self._gather(local, what=what)
         if failures and undo is not None:
             if self.group.rank == 0:

@@ -9,7 +9,6 @@ first. Real writer commits in real directories, a real file:// mirror, the real 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -21,39 +20,21 @@ from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
 from runner.checkpoint.newest import newest_first, read_manifests, steps_newest_first
 from runner.checkpoint.retention import prune
 from runner.checkpoint.verify import iter_checked, verify_checkpoint
-from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.checkpoint.writer import CommittedCheckpoint
 from runner.mirror.node_resume import newest_in_bucket
 from runner.mirror.resume import choose_resume
 from runner.mirror.upload import upload_checkpoint
 from runner.storage.file import FileStorage
 from runner.supervisor.ending import newest_committed
+from tests.fixtures.ckpt import commit_counted
 
 # step -> (samples_seen, world_size): the older lineage, then the re-based one
 WINDOW = {40: (160, 1), 50: (200, 1), 25: (200, 2), 30: (240, 2)}
 ORDER = [30, 50, 25, 40]
 
 
-def _commit(run_dir: Path, step: int, samples: int, world_size: int) -> CommittedCheckpoint:
-    payload = hashlib.sha256(f"{step}-{samples}-{world_size}".encode()).digest() * 64
-    src = run_dir / f"src-{step}"
-    src.mkdir(parents=True)
-    (src / "weights.bin").write_bytes(payload)
-    meta = CheckpointMeta(
-        step=step,
-        samples_seen=samples,
-        world_size=world_size,
-        epoch=0,
-        batch_in_epoch=step,
-        fingerprint=hashlib.sha256(payload).hexdigest(),
-    )
-    writer = CheckpointWriter(run_dir / "checkpoints", run_id="run-1", writer_id="pod-a")
-    return writer.adopt_files(
-        {"weights.bin": src / "weights.bin"}, meta=meta, format=FORMAT_SEED_BIN
-    )
-
-
 def _window(run_dir: Path) -> dict[int, CommittedCheckpoint]:
-    return {step: _commit(run_dir, step, s, w) for step, (s, w) in WINDOW.items()}
+    return {step: commit_counted(run_dir, step, s, w) for step, (s, w) in WINDOW.items()}
 
 
 def _bucket_of(tmp_path: Path) -> FileStorage:

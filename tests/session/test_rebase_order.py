@@ -9,19 +9,18 @@ with the resumed step still in the run dir, so the next attempt re-bases again."
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 
 from runner.checkpoint.layout import MANIFEST_NAME
 from runner.checkpoint.listing import list_checkpoints, read_manifest
-from runner.checkpoint.manifest import FORMAT_SEED_BIN
-from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.checkpoint.writer import CommittedCheckpoint
 from runner.errors import StorageError
 from runner.mirror import Mirror
 from runner.session.rebase import RebaseIncomplete, rebase
 from runner.storage.file import FileStorage
+from tests.fixtures.ckpt import commit_counted
 
 OLD = {10: 40, 15: 60, 20: 80}
 
@@ -48,32 +47,13 @@ class FakeRecordingStorage(FileStorage):
             self.events.append(f"delete {key.split('/')[1]}")
 
 
-def _commit(ckpt_dir: Path, step: int, samples: int, world_size: int) -> CommittedCheckpoint:
-    payload = hashlib.sha256(f"{step}-{samples}-{world_size}".encode()).digest() * 64
-    src = ckpt_dir.parent / f"src-{step}-{samples}"
-    src.mkdir(parents=True, exist_ok=True)
-    (src / "weights.bin").write_bytes(payload)
-    meta = CheckpointMeta(
-        step=step,
-        samples_seen=samples,
-        world_size=world_size,
-        epoch=0,
-        batch_in_epoch=step,
-        fingerprint=hashlib.sha256(payload).hexdigest(),
-    )
-    writer = CheckpointWriter(ckpt_dir, run_id="run-1", writer_id="rank0")
-    return writer.adopt_files(
-        {"weights.bin": src / "weights.bin"}, meta=meta, format=FORMAT_SEED_BIN
-    )
-
-
 def _setup(tmp_path: Path) -> tuple[Path, FakeRecordingStorage, Mirror]:
     """The bucket and the run dir both hold the older lineage, resumed from step 20."""
     bucket = FakeRecordingStorage(tmp_path / "bucket")
     mirror = Mirror(bucket, keep=10, writer_id="rank0")
     run_dir = tmp_path / "run"
     for step, samples in OLD.items():
-        assert mirror.upload_now(_commit(run_dir / "checkpoints", step, samples, 1))
+        assert mirror.upload_now(commit_counted(run_dir, step, samples, 1, writer="rank0"))
     bucket.events.clear()
     return run_dir, bucket, mirror
 
@@ -85,7 +65,7 @@ def _rebase(run_dir: Path, mirror: Mirror) -> CommittedCheckpoint:
         run_dir=run_dir,
         ckpt_dir=run_dir / "checkpoints",
         primary=True,
-        save=lambda: _commit(run_dir / "checkpoints", 10, 80, 2),
+        save=lambda: commit_counted(run_dir, 10, 80, 2, writer="rank0"),
         mirror=mirror,
     )
 

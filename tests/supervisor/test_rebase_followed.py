@@ -11,40 +11,20 @@ nor de-committed."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
 
 from runner.checkpoint.aside import set_aside_local
 from runner.checkpoint.listing import list_checkpoints, read_manifest
-from runner.checkpoint.manifest import FORMAT_SEED_BIN
-from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
+from runner.checkpoint.writer import CheckpointWriter
 from runner.errors import EXIT_FAILURE, EXIT_PREEMPTED, StorageError
 from runner.mirror import Mirror
 from runner.storage.file import FileStorage
 from runner.supervisor.tracking import CommitTracker
+from tests.fixtures.ckpt import commit_counted
 
 OLD = {10: 40, 15: 60, 20: 80}  # the 1-rank lineage: step -> samples_seen
-
-
-def _commit(run_dir: Path, step: int, samples: int, world_size: int) -> CommittedCheckpoint:
-    payload = hashlib.sha256(f"{step}-{samples}-{world_size}".encode()).digest() * 64
-    src = run_dir / f"src-{step}-{samples}"
-    src.mkdir(parents=True)
-    (src / "weights.bin").write_bytes(payload)
-    meta = CheckpointMeta(
-        step=step,
-        samples_seen=samples,
-        world_size=world_size,
-        epoch=0,
-        batch_in_epoch=step,
-        fingerprint=hashlib.sha256(payload).hexdigest(),
-    )
-    writer = CheckpointWriter(run_dir / "checkpoints", run_id="run-1", writer_id="pod-a")
-    return writer.adopt_files(
-        {"weights.bin": src / "weights.bin"}, meta=meta, format=FORMAT_SEED_BIN
-    )
 
 
 def _setup(tmp_path: Path) -> tuple[Path, FileStorage, Mirror, CommitTracker]:
@@ -53,9 +33,9 @@ def _setup(tmp_path: Path) -> tuple[Path, FileStorage, Mirror, CommitTracker]:
     mirror = Mirror(bucket, keep=10, writer_id="sup")
     old = tmp_path / "old"
     for step, samples in OLD.items():
-        assert mirror.upload_now(_commit(old, step, samples, 1))
+        assert mirror.upload_now(commit_counted(old, step, samples, 1))
     run_dir = tmp_path / "run"
-    resumed = _commit(run_dir, 20, 80, 1)
+    resumed = commit_counted(run_dir, 20, 80, 1)
     writer = CheckpointWriter(run_dir / "checkpoints", run_id="run-1", writer_id="sup")
     tracker = CommitTracker(run_dir, writer=writer, keep=10, mirror=mirror, metrics=None)
     tracker.seen(resumed)
@@ -79,7 +59,7 @@ def _rebase_locally(run_dir: Path) -> None:
     """What runner/session/rebase.py does without a mirror: the resumed step set aside, the
     loaded state committed at the rescaled step 10 (same 80 samples, 2 ranks)."""
     set_aside_local(run_dir, run_dir / "checkpoints" / "step_000020", reason="superseded")
-    _commit(run_dir, 10, 80, 2)
+    commit_counted(run_dir, 10, 80, 2)
 
 
 def test_lower_step_more_samples_is_newest_and_stale_steps_are_decommitted_once_it_landed(
@@ -87,7 +67,7 @@ def test_lower_step_more_samples_is_newest_and_stale_steps_are_decommitted_once_
 ) -> None:
     run_dir, bucket, mirror, tracker = _setup(tmp_path)
     _rebase_locally(run_dir)
-    _commit(run_dir, 15, 120, 2)
+    commit_counted(run_dir, 15, 120, 2)
     tracker.follow_committed(stopping=False)
     assert tracker.last_checkpoint is not None and tracker.last_checkpoint.step == 15
     assert mirror.wait_idle(30)
@@ -100,7 +80,7 @@ def test_lower_step_more_samples_is_newest_and_stale_steps_are_decommitted_once_
     assert _bucket(bucket) == {10: (80, 2), 15: (120, 2)}
     assert _aside(bucket) == ["step_000010", "step_000015", "step_000020"]
     assert tracker.unless_rebase_unfinished(EXIT_PREEMPTED) == EXIT_PREEMPTED
-    _commit(run_dir, 20, 160, 2)
+    commit_counted(run_dir, 20, 160, 2)
     tracker.follow_committed(stopping=False)
     assert mirror.wait_idle(30)
     assert _bucket(bucket) == {10: (80, 2), 15: (120, 2), 20: (160, 2)}
@@ -109,7 +89,7 @@ def test_lower_step_more_samples_is_newest_and_stale_steps_are_decommitted_once_
 
 def test_lower_step_fewer_samples_is_older_nothing_decommitted(tmp_path: Path) -> None:
     run_dir, bucket, mirror, tracker = _setup(tmp_path)
-    _commit(run_dir, 15, 50, 2)  # lower step, fewer samples than the resumed 80
+    commit_counted(run_dir, 15, 50, 2)  # lower step, fewer samples than the resumed 80
     tracker.follow_committed(stopping=False)
     assert mirror.wait_idle(30)
     tracker.follow_committed(stopping=False)
@@ -126,7 +106,7 @@ def test_a_stop_final_at_a_lower_step_with_more_samples_is_fresh_and_the_buckets
     tracker.record_step_at_stop()
     assert (tracker.step_at_stop, tracker.samples_at_stop) == (20, 80)
     _rebase_locally(run_dir)
-    _commit(run_dir, 15, 120, 2)
+    commit_counted(run_dir, 15, 120, 2)
     tracker.follow_committed(stopping=True)  # nothing submitted during a stop
     judged = tracker.judge_stop(code=EXIT_PREEMPTED, killed=False)
     assert judged.ckpt is not None and judged.ckpt.step == 15
@@ -145,7 +125,7 @@ def test_a_lower_step_with_the_same_samples_is_not_fresh_while_the_resumed_dir_s
 ) -> None:
     """Same samples: the larger step is newer, unless the trainer set its directory aside."""
     run_dir, bucket, mirror, tracker = _setup(tmp_path)
-    _commit(run_dir, 10, 80, 2)
+    commit_counted(run_dir, 10, 80, 2)
     tracker.follow_committed(stopping=False)
     assert tracker.last_checkpoint is not None and tracker.last_checkpoint.step == 20
     set_aside_local(run_dir, run_dir / "checkpoints" / "step_000020", reason="superseded")
@@ -172,11 +152,11 @@ def _failing_setup(tmp_path: Path) -> tuple[Path, FakeFailingPutsStorage, Mirror
     bucket = FakeFailingPutsStorage(tmp_path / "bucket")
     mirror = Mirror(bucket, keep=10, writer_id="sup")
     for step, samples in OLD.items():
-        assert mirror.upload_now(_commit(tmp_path / "old", step, samples, 1))
+        assert mirror.upload_now(commit_counted(tmp_path / "old", step, samples, 1))
     run_dir = tmp_path / "run"
     writer = CheckpointWriter(run_dir / "checkpoints", run_id="run-1", writer_id="sup")
     tracker = CommitTracker(run_dir, writer=writer, keep=10, mirror=mirror, metrics=None)
-    tracker.seen(_commit(run_dir, 20, 80, 1))
+    tracker.seen(commit_counted(run_dir, 20, 80, 1))
     return run_dir, bucket, mirror, tracker
 
 
@@ -188,7 +168,7 @@ def test_fake_failing_store_a_rebase_upload_that_fails_leaves_the_newest_state_c
     (not the newest), then the stale step, then the newest."""
     run_dir, bucket, mirror, tracker = _failing_setup(tmp_path)
     _rebase_locally(run_dir)
-    _commit(run_dir, 12, 96, 2)
+    commit_counted(run_dir, 12, 96, 2)
     bucket.failing = True
     tracker.follow_committed(stopping=False)
     assert mirror.wait_idle(30)
@@ -197,7 +177,7 @@ def test_fake_failing_store_a_rebase_upload_that_fails_leaves_the_newest_state_c
     assert _bucket(bucket) == {20: (80, 1)}  # the state the re-based step holds, still there
     assert _aside(bucket) == ["step_000010", "step_000015"]
     bucket.failing = False
-    _commit(run_dir, 14, 112, 2)  # the next checkpoint: the re-based step submitted again
+    commit_counted(run_dir, 14, 112, 2)  # the next checkpoint: the re-based step submitted again
     tracker.follow_committed(stopping=False)
     assert mirror.wait_idle(30)
     tracker.follow_committed(stopping=False)
@@ -217,7 +197,7 @@ def test_fake_failing_store_a_stop_uploads_the_rebased_step_before_the_final_one
     tracker.follow_committed(stopping=False)
     assert mirror.wait_idle(30)
     tracker.record_step_at_stop()
-    _commit(run_dir, 16, 128, 2)  # the final checkpoint
+    commit_counted(run_dir, 16, 128, 2)  # the final checkpoint
     tracker.follow_committed(stopping=True)
     judged = tracker.judge_stop(code=EXIT_PREEMPTED, killed=False)
     assert judged.ckpt is not None and judged.ckpt.step == 16 and judged.final
@@ -249,15 +229,15 @@ def test_fake_refusing_store_a_stop_whose_rebased_step_never_lands_exits_1(
     bucket = FakeRefusingStepStorage(tmp_path / "bucket")
     mirror = Mirror(bucket, keep=10, writer_id="sup")
     for step, samples in OLD.items():
-        assert mirror.upload_now(_commit(tmp_path / "old", step, samples, 1))
+        assert mirror.upload_now(commit_counted(tmp_path / "old", step, samples, 1))
     run_dir = tmp_path / "run"
     writer = CheckpointWriter(run_dir / "checkpoints", run_id="run-1", writer_id="sup")
     tracker = CommitTracker(run_dir, writer=writer, keep=10, mirror=mirror, metrics=None)
-    tracker.seen(_commit(run_dir, 20, 80, 1))
+    tracker.seen(commit_counted(run_dir, 20, 80, 1))
     bucket.refused = "checkpoints/step_000010/"
     tracker.record_step_at_stop()
     _rebase_locally(run_dir)
-    _commit(run_dir, 16, 128, 2)
+    commit_counted(run_dir, 16, 128, 2)
     tracker.follow_committed(stopping=True)
     judged = tracker.judge_stop(code=EXIT_PREEMPTED, killed=False)
     assert judged.ckpt is not None and judged.ckpt.step == 16
@@ -279,8 +259,8 @@ def test_a_rebased_step_the_trainer_pruned_gives_way_to_a_newer_one_not_numbered
     run_dir, bucket, mirror, tracker = _setup(tmp_path)
     tracker.record_step_at_stop()
     _rebase_locally(run_dir)
-    _commit(run_dir, 15, 120, 2)
-    _commit(run_dir, 20, 160, 2)  # the final checkpoint
+    commit_counted(run_dir, 15, 120, 2)
+    commit_counted(run_dir, 20, 160, 2)  # the final checkpoint
     tracker.follow_committed(stopping=True)
     shutil.rmtree(run_dir / "checkpoints" / "step_000010")  # the trainer's --keep
     judged = tracker.judge_stop(code=EXIT_PREEMPTED, killed=False)
