@@ -83,16 +83,23 @@ class Group:
         try:
             return op(self.process_group)
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo's timeouts
-            raise PeerLostError(self._lost_message(what, exc)) from exc
+            raise peer_lost(
+                self.rank, self.world_size, f"({what}) with the other ranks", exc, self.timeout_s
+            ) from exc
 
-    def _lost_message(self, what: str, exc: BaseException) -> str:
-        cause = " ".join(str(exc).split())[:300] or type(exc).__name__
-        bound = f" (timeout {self.timeout_s:g} s)" if self.timeout_s is not None else ""
-        return (
-            f"rank {self.rank} of {self.world_size}: a collective ({what}) with the other "
-            f"ranks failed{bound}: {type(exc).__name__}: {cause}. A peer process died or hung; "
-            "this rank stops too. The last committed checkpoint stands: resume from it."
-        )
+
+def peer_lost(
+    rank: int, world_size: int, where: str, exc: BaseException, timeout_s: float | None = None
+) -> PeerLostError:
+    """The one message for a collective that failed `where` because a peer died or hung
+    (gloo's reset connection, a timeout): whichever collective sees it first says the same."""
+    cause = " ".join(str(exc).split())[:300] or type(exc).__name__
+    bound = f" (timeout {timeout_s:g} s)" if timeout_s is not None else ""
+    return PeerLostError(
+        f"rank {rank} of {world_size}: a collective {where} failed{bound}: "
+        f"{type(exc).__name__}: {cause}. A peer process died or hung; this rank stops too. "
+        "The last committed checkpoint stands: resume from it."
+    )
 
 
 SINGLE = Group()
@@ -116,9 +123,5 @@ def dedicated_group(*, timeout_s: float) -> Group:
     try:
         pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        raise PeerLostError(
-            f"rank {rank} of {world_size}: creating the runner's gloo group with the other "
-            f"ranks failed: {type(exc).__name__}: {exc}. A peer process died or hung; "
-            "the last committed checkpoint stands."
-        ) from exc
+        raise peer_lost(rank, world_size, "creating the runner's gloo group", exc) from exc
     return Group(rank=rank, world_size=world_size, process_group=pg, timeout_s=timeout_s)

@@ -12,11 +12,12 @@ from typing import TextIO
 
 from runner.checkpoint.listing import local_step_dir, read_manifest_dir
 from runner.checkpoint.manifest import created_at_unix
+from runner.collective.group import peer_lost
 from runner.config import RunConfig
 from runner.demo.components import DemoComponents, build_demo
 from runner.demo.display import ProgressDisplay
 from runner.demo.launch import gather_from_ranks, process_group
-from runner.errors import PeerLostError, RunnerError
+from runner.errors import RunnerError
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.stop import StopController
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
@@ -62,7 +63,7 @@ def run_demo(
     try:
         with process_group(rank, config.device) as device, _sample_log(sample_log, rank) as out:
             demo_settings = {"--batch-size": batch_size, "--parallel": parallel}
-            with _peer_collectives(rank, ranks, "while the ranks set up (DDP/FSDP)"):
+            with _peer_collectives(rank, ranks, "of the ranks' set-up (DDP/FSDP)"):
                 if ranks > 1:
                     # DDP's and FSDP's set-ups are collectives that differ with --parallel:
                     # the ranks compare their settings first (the session does again)
@@ -174,15 +175,7 @@ def _peer_collectives(rank: RankContext, ranks: int, where: str) -> Iterator[Non
     try:
         yield
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, ...) are these
-        raise PeerLostError(
-            f"rank {rank.rank}: a collective failed {where} ({_first_line(exc)}): a peer "
-            "process died or hung; the last committed checkpoint stands"
-        ) from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        raise peer_lost(rank.rank, ranks, where, exc) from exc
 
 
 def _checkpoint_age(session: TrainSession, step: int) -> float:

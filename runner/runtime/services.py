@@ -82,12 +82,16 @@ def close_mirror(mirror: Mirror, stop: StopController, *, grace_seconds: float) 
     """After a stop, wait for the mirror only until the stop's deadline (the one rule,
     runner.runtime.lifecycle.stop_deadline): an upload still retrying against a dead
     endpoint must not keep a preempted process alive past its notice. Whatever is left is
-    abandoned; runner.preemption.exiting then exits without joining the threads stuck on it."""
+    abandoned; runner.preemption.exiting then exits without joining the threads stuck on it.
+    Then the storage's transfer threads are released (never waiting for an abandoned one)."""
     deadline = stop_deadline(stop, grace_seconds=grace_seconds)
-    if deadline is None:  # no stop: queued uploads finish
-        mirror.close()
-        return
-    mirror.close(timeout=max(0.0, deadline - time.monotonic()))
+    try:
+        if deadline is None:  # no stop: queued uploads finish
+            mirror.close()
+        else:
+            mirror.close(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        mirror.storage.close()
 
 
 def lock_and_serve(

@@ -118,3 +118,8 @@ class Storage(Protocol):
     def delete(self, key: str) -> None:
         """Remove one object; absent objects are not an error."""
         ...
+
+    def close(self) -> None:
+        """Release what the storage keeps between calls (an S3 storage's transfer threads).
+        It stays usable; a transfer still running on another thread is not waited for."""
+        ...

@@ -277,6 +277,9 @@ class FileStorage:
                 break
             parent = parent.parent
 
+    def close(self) -> None:
+        pass  # nothing is kept between calls
+
 
 def _is_link(name: str, dir_fd: int) -> bool:
     try:

@@ -48,6 +48,11 @@ def store_deadline(deadline: float | None) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+def current_deadline() -> float | None:
+    """The deadline `store_deadline` set for this thread's store calls (None: none)."""
+    return _DEADLINE.get()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RetryPolicy:
     attempts: int = 5

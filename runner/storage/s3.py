@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
 import boto3
-from s3transfer.manager import TransferManager
 
 from runner.atomicity.files import CHUNK, HashingFileWriter
 from runner.errors import (
@@ -53,6 +52,7 @@ from runner.storage.retry import RetryPolicy
 from runner.storage.s3_checksum import UploadCheck, expected_checksum
 from runner.storage.s3_client import make_client, parse_s3_uri
 from runner.storage.s3_errors import ClassifiedStream, classify, client_config_error, error_code
+from runner.storage.s3_managers import Transfers
 from runner.storage.s3_multipart import abort_multipart, incomplete_keys
 from runner.storage.s3_transfer import Moved, Progress, TransferSettings
 
@@ -87,6 +87,8 @@ class S3Storage:
         # never holds credentials: make_client drops any user:password@ part
         self.endpoint: str = self._client.meta.endpoint_url
         self._upload_check = UploadCheck(self.endpoint)
+        # one long-lived manager (per lane) for every put_file / get_file; see close()
+        self.transfers = Transfers(self._client, self.settings.transfer_config())
         self._conditional_puts = True
         self._give_up_once = give_up_once
         self._gave_up: StorageTransientError | None = None
@@ -105,6 +107,11 @@ class S3Storage:
 
     def local_path(self, key: str = "") -> Path | None:
         return None  # objects, not files: every access is a request
+
+    def close(self) -> None:
+        """Shut down the transfer managers (runner.storage.s3_transfer.Transfers.close): never
+        waits for a transfer still running; the storage stays usable."""
+        self.transfers.close()
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -188,17 +195,15 @@ class S3Storage:
                 started = datetime.now(UTC)
                 subscribers = [Progress(moved.touch)] + ([Progress(progress)] if progress else [])
                 try:
-                    with TransferManager(
-                        self._client, config=self.settings.transfer_config()
-                    ) as manager:
-                        future = manager.upload(
+                    self.transfers.run(
+                        lambda manager: manager.upload(
                             str(src),
                             self.bucket,
                             full_key,
                             extra_args={"ChecksumAlgorithm": "SHA256"},
                             subscribers=subscribers,
                         )
-                        future.result()
+                    )
                 except BaseException:
                     if size >= self.settings.multipart_threshold:
                         abort_multipart(
@@ -289,12 +294,11 @@ class S3Storage:
         def download() -> None:
             subscribers = [Progress(moved.touch)] + ([Progress(progress)] if progress else [])
             with HashingFileWriter(dst) as writer:
-                with TransferManager(
-                    self._client, config=self.settings.transfer_config()
-                ) as manager:
-                    manager.download(
+                self.transfers.run(
+                    lambda manager: manager.download(
                         self.bucket, full_key, cast(Any, writer), subscribers=subscribers
-                    ).result()
+                    )
+                )
                 check_download(
                     f"{self.uri}/{key}",
                     got_size=writer.size,
