@@ -76,6 +76,12 @@ class RunConfig:
     """Only when checkpoints exist and none can be used: set them aside (kept) and start at
     step 0 instead of refusing (exit 3). Never discards a usable checkpoint."""
     device: str = "auto"
+    adopt: tuple[str, ...] = ()
+    """`runner run`: globs, relative to the trainer's working directory, of the checkpoint
+    files or directories the trainer writes itself; each becomes a `files` checkpoint."""
+    adopt_quiet_seconds: float = 5.0
+    """`runner run --adopt`: a match written in place is finished once nothing in it changed
+    for this long (and no process has a file of it open for writing)."""
     writer_id: str = field(default_factory=default_writer_id)
 
     @classmethod
@@ -95,6 +101,8 @@ class RunConfig:
         _check_checkpointing(self)
         _check_metrics_and_notices(self)
         _check_recovery(self)
+        self.adopt = tuple(self.adopt)
+        _check_adopt(self)
         if self.mirror is not None:
             self.mirror = _mirror_of(self.mirror, run_dir=self.run_dir)
         if self.notice_endpoint is not None:
@@ -159,6 +167,39 @@ def _check_recovery(config: RunConfig) -> None:
         raise ConfigError(f"--seed must fit in 64 bits (got {config.seed})")
 
 
+def _check_adopt(config: RunConfig) -> None:
+    """--adopt patterns name the trainer's files, relative to its working directory, and
+    never the runner's own checkpoints."""
+    if config.adopt_quiet_seconds < 0:
+        raise ConfigError(
+            f"--adopt-quiet-seconds must be >= 0 (got {_number(config.adopt_quiet_seconds)})"
+        )
+    run_dir = os.path.realpath(config.run_dir)
+    for pattern in config.adopt:
+        parts = Path(pattern).parts
+        if not pattern or Path(pattern).is_absolute() or ".." in parts:
+            raise ConfigError(
+                f"--adopt {pattern!r}: give a glob relative to the trainer's working directory "
+                "without '..' (e.g. 'out/checkpoint-*'); its checkpoints are restored there"
+            )
+        inside = os.path.realpath(Path(*_literal_prefix(parts)) if _literal_prefix(parts) else ".")
+        if inside == run_dir or inside.startswith(run_dir + os.sep):
+            raise ConfigError(
+                f"--adopt {pattern!r} reaches into the run dir {config.run_dir}: the runner's "
+                "own copies are there; have the trainer write its checkpoints elsewhere"
+            )
+
+
+def _literal_prefix(parts: tuple[str, ...]) -> list[str]:
+    """The leading parts of a glob without a wildcard in them."""
+    prefix: list[str] = []
+    for part in parts:
+        if any(c in part for c in "*?["):
+            break
+        prefix.append(part)
+    return prefix
+
+
 def _mirror_of(mirror: str, *, run_dir: Path) -> str:
     """--mirror as a URI; ConfigError when it names the run dir itself."""
     from runner.storage import mirror_uri  # light: boto3 loads only for s3://
@@ -187,6 +228,7 @@ MAXIMA: dict[str, float] = {
     "restart_backoff": 3_600.0,
     "store_timeout": MAX_STORE_TIMEOUT_S,
     "collective_timeout": 86_400.0,
+    "adopt_quiet_seconds": 86_400.0,
 }
 
 

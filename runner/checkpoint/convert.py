@@ -19,7 +19,7 @@ from runner.checkpoint.formats.seedbin import (
 from runner.checkpoint.layout import CHECKPOINTS_DIR, MANIFEST_NAME, seed_bin_name, step_dir_name
 from runner.checkpoint.listing import read_manifest_dir
 from runner.checkpoint.load import load_state
-from runner.checkpoint.manifest import FORMAT_SEED_BIN
+from runner.checkpoint.manifest import FORMAT_FILES, FORMAT_SEED_BIN
 from runner.checkpoint.verify import newest_verified, verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, CommittedCheckpoint
 from runner.errors import ConfigError, IntegrityError, NoVerifiedCheckpointError
@@ -77,6 +77,12 @@ def checkpoint_to_bin(src: Path, dst: Path) -> tuple[int, int]:
             out.commit()
         read_header(dst)
         return manifest.step, out.size
+    if manifest.format == FORMAT_FILES:
+        raise ConfigError(
+            f"{step_dir} holds a trainer's own files (format files, from "
+            f"{manifest.extra.get('source', '?')}), not a train state this runner can write "
+            "as a seed file; `runner pull` copies it out as it is"
+        )
     state = load_state(step_dir, manifest=manifest)
     size, _ = write_seed_file(state, dst, source=str(step_dir))
     return manifest.step, size

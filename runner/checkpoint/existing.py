@@ -51,8 +51,11 @@ class Found:
 
 def same_state(there: Manifest, incoming: Manifest) -> bool:
     """The same training state (equal, non-empty fingerprints): two saves of one state may
-    differ in bytes (a DCP index, a timestamp) and still be one checkpoint."""
-    return bool(incoming.fingerprint) and there.fingerprint == incoming.fingerprint
+    differ in bytes (a DCP index, a timestamp) and still be one checkpoint. Without a
+    fingerprint (a trainer's own files, `files`) only the same bytes are the same state."""
+    if not incoming.fingerprint:
+        return same_payload(there, incoming)
+    return there.fingerprint == incoming.fingerprint
 
 
 def same_payload(there: Manifest, incoming: Manifest) -> bool:

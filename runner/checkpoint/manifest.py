@@ -25,26 +25,31 @@ from runner.errors import IntegrityError, SchemaError
 # runner's instead of misreading its format.
 # "4": `torch-dcp`, one checkpoint written by every rank of a torchrun job (DCP's files, one
 # train state, a file per rank); a runner that reads up to 3 refuses it as a newer runner's.
-SCHEMA_VERSION = "4"  # the newest this runner reads and writes
-SUPPORTED_SCHEMAS = ("1", "2", "3", "4")
+# "5": `files`, a trainer's own checkpoint (a file or a directory tree) held byte for byte
+# (`runner run --adopt`); a runner that reads up to 4 refuses it as a newer runner's.
+SCHEMA_VERSION = "5"  # the newest this runner reads and writes
+SUPPORTED_SCHEMAS = ("1", "2", "3", "4", "5")
 
 FORMAT_TORCH = "torch-state"  # one state.pt loadable with torch.load(weights_only=True)
 FORMAT_CHUNKED = "torch-chunked"  # index.json + skeleton.pt + N size-chunk files
 FORMAT_SEED_BIN = "seed-bin"  # step_NNNNNN.bin from the seed format
 FORMAT_DCP = "torch-dcp"  # .metadata + __R_I.distcp (torch.distributed.checkpoint) + rank files
+FORMAT_FILES = "files"  # a trainer's own file or directory, byte for byte, under its own name
 # What schemas 1 and 2 called FORMAT_CHUNKED (their layout: index schema "1", shard_NNNNN.pt).
 # In memory such a checkpoint is FORMAT_CHUNKED with schema "2", written back under this name.
 LEGACY_FORMAT_SHARDED = "torch-sharded"
 # The formats schema 2 names with the meaning schema 3 gives them: stated as "2" whatever
 # schema a manifest of theirs claims.
 _SCHEMA_2_FORMATS = (FORMAT_TORCH, FORMAT_SEED_BIN)
+# The formats each schema after 3 added, and only they: written with it, and it names no other.
+_ADDED_BY = {"4": FORMAT_DCP, "5": FORMAT_FILES}
 
 
 def schema_for(format: str) -> str:
     """The schema a new checkpoint of `format` is written with: the lowest that names it."""
     if format in _SCHEMA_2_FORMATS:
         return "2"
-    return SCHEMA_VERSION if format == FORMAT_DCP else "3"
+    return next((schema for schema, added in _ADDED_BY.items() if added == format), "3")
 
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -144,20 +149,22 @@ class Manifest:
     def validate(self, *, source: str = "manifest.json") -> None:
         """The bounds of verification rule 1 (runner.checkpoint.verify): the schema, then the
         counters and fields, then the file list."""
-        if self.schema not in ("2", "3", "4"):
-            raise SchemaError(f"{source}: schema {self.schema!r} is not '2', '3' or '4'")
+        if self.schema not in ("2", "3", *_ADDED_BY):
+            raise SchemaError(f"{source}: schema {self.schema!r} is not '2', '3', '4' or '5'")
         if self.schema != "2" and self.format in _SCHEMA_2_FORMATS:
             # only a writer can get here (reading states the lowest schema): never write it
             raise SchemaError(
                 f"{source}: schema {self.schema!r} for format {self.format!r}, which schema '2' "
                 "expresses: a manifest claims the lowest schema it needs"
             )
-        if (self.schema == "4") != (self.format == FORMAT_DCP):
-            # schema 4 adds only torch-dcp: neither is written with the other's schema
-            raise SchemaError(
-                f"{source}: schema {self.schema!r} for format {self.format!r}: format "
-                f"{FORMAT_DCP!r} is schema '4' and schema '4' names no other new format"
-            )
+        for schema, added in _ADDED_BY.items():
+            if (self.schema == schema) != (self.format == added):
+                # a schema after 3 adds one format: neither is written with another's schema
+                raise SchemaError(
+                    f"{source}: schema {self.schema!r} for format {self.format!r}: format "
+                    f"{added!r} is schema {schema!r} and schema {schema!r} names no other new "
+                    "format"
+                )
         self._validate_fields(source)
         self._validate_files(source)
 
@@ -311,7 +318,7 @@ def _lowest_schema(data: dict[str, Any], schema: str) -> dict[str, Any]:
     fmt = data.get("format")
     if schema == "2" and fmt == LEGACY_FORMAT_SHARDED:
         data["format"] = FORMAT_CHUNKED
-    elif fmt == FORMAT_CHUNKED and schema in ("2", "4"):
+    elif fmt == FORMAT_CHUNKED and schema in ("2", *_ADDED_BY):
         schema = "3"
     elif fmt in _SCHEMA_2_FORMATS:
         schema = "2"

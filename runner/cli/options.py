@@ -251,6 +251,24 @@ fresh_start = _opt(
         "checkpoint exists."
     ),
 )
+adopt = _opt(
+    "--adopt",
+    env="RUNNER_ADOPT",
+    multiple=True,
+    default=RunConfig.default("adopt"),
+    metavar="PATTERN",
+    help="Adopt the checkpoints the trainer writes itself: a glob relative to its working "
+    "directory matching files or directories whose name holds the step (repeatable; "
+    "RUNNER_ADOPT takes several separated by spaces), e.g. 'out/checkpoint-*'.",
+)
+adopt_quiet_seconds = _opt(
+    "--adopt-quiet-seconds",
+    env="RUNNER_ADOPT_QUIET_SECONDS",
+    type=click.FloatRange(min=0, max=MAXIMA["adopt_quiet_seconds"]),
+    default=RunConfig.default("adopt_quiet_seconds"),
+    help="An --adopt match written in place is taken once nothing in it changed for this "
+    "long and no process has a file of it open for writing.",
+)
 json_output = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 

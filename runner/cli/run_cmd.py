@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 @click.command(context_settings={"ignore_unknown_options": False})
 @options.run_options
+@options.adopt
+@options.adopt_quiet_seconds
 @options.max_restarts
 @options.restart_backoff
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -26,7 +28,7 @@ def run(command: tuple[str, ...], **params: Any) -> None:
 
     The trainer gets RUNNER_RUN_DIR, RUNNER_CKPT_DIR, RUNNER_RESUME_FROM (the newest
     verified checkpoint's payload, empty when none), RUNNER_RESUME_FORMAT (its format:
-    seed-bin, torch-state or torch-chunked; a trainer refuses one it cannot read),
+    seed-bin, torch-state, torch-chunked or files; a trainer refuses one it cannot read),
     RUNNER_RESUME_STEP, RUNNER_ATTEMPT and RUNNER_RUN_LOCK_TOKEN (README: "Supervise any
     trainer"). Seed-format step_NNNNNN.bin files it writes into RUNNER_CKPT_DIR (temp name,
     then rename) are checked, committed with a manifest, mirrored and handed back on resume.
@@ -43,12 +45,22 @@ def run(command: tuple[str, ...], **params: Any) -> None:
     Only finished files are adopted: renamed into place, or any once the trainer exited;
     never one still open for writing.
 
+    --adopt PATTERN (README: "Your trainer's own checkpoints"): the checkpoints the trainer
+    writes itself (HF's out/checkpoint-N, Lightning's ckpts/step=N.ckpt), matched by a glob
+    relative to its working directory, the step being the last integer of the name, are
+    copied into the run dir as `files` checkpoints once finished (no file open for writing,
+    nothing changed for --adopt-quiet-seconds, or renamed in, or the trainer exited),
+    mirrored, and the newest is put back at its path before the trainer starts (also on an
+    empty node, from the mirror): RUNNER_RESUME_FROM names it.
+
     Exit codes: 0 the trainer finished; 75 stopped by a signal or a preemption notice with a
     final checkpoint committed (also when torchrun exits 1 for workers that exited 75); 1
     stopped without one (e.g. killed at the end of the grace
     period), or it kept crashing; 2 / 3 the trainer exited 2 / 3 (not restarted); 3 also
     when its newest checkpoint was rejected (kept as .rejected) and no later one was
-    committed.
+    committed. With --mirror, a trainer that finished without its newest checkpoint in the
+    mirror, or without any, ends in 1; with --adopt, a stop ends in 75 only when a
+    checkpoint was adopted during it.
     """
     config = options.config_from_options(**params)
     # A supervisor is no rank: torchrun's variables are not read here (a stray contradictory

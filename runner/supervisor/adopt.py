@@ -16,14 +16,15 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from runner.checkpoint.formats.files import source_of
 from runner.checkpoint.layout import (
     CHECKPOINTS_DIR,
     parse_seed_bin,
     seed_bin_name,
 )
-from runner.checkpoint.manifest import FORMAT_SEED_BIN, Manifest
+from runner.checkpoint.manifest import FORMAT_FILES, FORMAT_SEED_BIN, Manifest
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import CheckpointConflictError, IntegrityError
 from runner.supervisor.writer_detection import DirWatch, open_for_writing
@@ -266,7 +267,10 @@ class SeedAdopter:
 
 def payload_path(step_dir: Path, manifest: Manifest) -> Path:
     """What RUNNER_RESUME_FROM names for a checkpoint resumed from (found by
-    runner.runtime.lifecycle.find_resume): the seed .bin, the single payload file, or the dir."""
+    runner.runtime.lifecycle.find_resume): the seed .bin, the single payload file, the
+    trainer's own file or directory (`files`), or the dir."""
+    if manifest.format == FORMAT_FILES:
+        return step_dir / PurePosixPath(source_of(manifest)).name
     if manifest.format == FORMAT_SEED_BIN:
         bins = [f.path for f in manifest.files if parse_seed_bin(f.path) is not None]
         if len(bins) == 1:

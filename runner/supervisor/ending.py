@@ -43,12 +43,22 @@ def finish_mirrored(
     stop: StopController,
     grace_seconds: float,
     run_dir: Path,
+    nothing_stands: str = "",
 ) -> int:
     """After a successful run, 0 only when the newest checkpoint is in the mirror; else 1,
-    so a scheduler retries. `upload_now` finds an already uploaded checkpoint in place (one
-    request) and otherwise tries once more in the caller's time."""
-    if mirror is None or newest is None:
+    so a scheduler retries: also when no checkpoint was committed at all (`nothing_stands`
+    says what the trainer left instead). `upload_now` finds an already uploaded checkpoint in
+    place (one request) and otherwise tries once more in the caller's time."""
+    if mirror is None:
         return EXIT_OK
+    if newest is None:
+        log.error(
+            "the trainer finished but committed no checkpoint, so none is in the mirror %s; "
+            "%s. Exiting 1: with --mirror, exit 0 means the final checkpoint is in the mirror",
+            mirror.storage.uri,
+            nothing_stands or "nothing stands",
+        )
+        return EXIT_FAILURE
     # no deadline on a normal finish: a large checkpoint on a slow link is not a failure;
     # a stop that arrived meanwhile bounds the wait, as it bounds end_run's upload
     deadline = stop_deadline(stop, grace_seconds=grace_seconds)
@@ -90,6 +100,7 @@ def judge_stop(
     logged: int | None,
     unadopted_steps: Iterable[int],
     mute_exit: bool = False,
+    exit_says_saved: bool = True,
 ) -> StopJudgement:
     """A final checkpoint is the newest committed one when
 
@@ -105,12 +116,18 @@ def judge_stop(
       checkpoint (ranks stopped while resuming, nothing trained); a trainer without one is
       not taken as stopped cleanly;
 
+    Without `exit_says_saved` (a trainer whose own checkpoints are adopted, --adopt: HF exits
+    0 after SIGTERM whether it saved or not) only a checkpoint committed during the stop, or
+    a loss.jsonl logging no step past it, is final;
+
     and, in both cases, the trainer's loss.jsonl (`logged`, when it keeps one) logs no step
     past it and no seed file of a later step was left unadopted (then the supervisor exits 3).
     """
     at_stop = None if step_at_stop is None else Progress(step_at_stop, samples_at_stop)
     fresh = ckpt is not None and Progress.of(ckpt).newer_than(at_stop)
-    clean = not killed and (code in (EXIT_OK, EXIT_PREEMPTED) or (mute_exit and logged is not None))
+    said_saved = exit_says_saved and code in (EXIT_OK, EXIT_PREEMPTED)
+    log_says_saved = (mute_exit or not exit_says_saved) and logged is not None
+    clean = not killed and (said_saved or log_says_saved)
     lost_steps = ckpt is not None and logged is not None and logged > ckpt.step
     # a newer file of the trainer's that was not adopted: its final one was lost
     rejected = ckpt is not None and any(step >= ckpt.step for step in unadopted_steps)
@@ -128,14 +145,21 @@ def finish_stopped(
     stop: StopController,
     grace_seconds: float,
     ckpt_dir: Path,
+    nothing_stands: str = "the next start begins from scratch",
 ) -> int:
     """After a stop we forwarded: 75 only when a final checkpoint stands, else 1 (2 or 3
     when the trainer exited so); the standing checkpoint is uploaded within the stop's
     deadline (runner.runtime.lifecycle.stop_deadline). `took`: seconds from the forwarded
-    stop to the trainer's exit."""
+    stop to the trainer's exit; `nothing_stands`: what to say when no checkpoint does."""
     ckpt, final = judged.ckpt, judged.final
     _log_judgement(
-        judged, code=code, killed=killed, took=took, grace=grace_seconds, ckpt_dir=ckpt_dir
+        judged,
+        code=code,
+        killed=killed,
+        took=took,
+        grace=grace_seconds,
+        ckpt_dir=ckpt_dir,
+        nothing_stands=nothing_stands,
     )
     ending = end_run(
         mirror=mirror,
@@ -166,16 +190,23 @@ def finish_stopped(
 
 
 def _log_judgement(
-    judged: StopJudgement, *, code: int, killed: bool, took: float, grace: float, ckpt_dir: Path
+    judged: StopJudgement,
+    *,
+    code: int,
+    killed: bool,
+    took: float,
+    grace: float,
+    ckpt_dir: Path,
+    nothing_stands: str,
 ) -> None:
     how = "killed at the end of the grace period" if killed else describe_exit(code)
     ckpt = judged.ckpt
     if ckpt is None:
         log.error(
-            "trainer stopped (%s) without committing any checkpoint: none stands in %s, "
-            "the next start begins from scratch",
+            "trainer stopped (%s) without committing any checkpoint: none stands in %s; %s",
             how,
             ckpt_dir,
+            nothing_stands,
         )
     elif judged.final:
         log.warning(

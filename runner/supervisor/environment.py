@@ -14,7 +14,7 @@ from runner.supervisor.adopt import payload_path
 ENV_RUN_DIR = "RUNNER_RUN_DIR"
 ENV_CKPT_DIR = "RUNNER_CKPT_DIR"
 ENV_RESUME_FROM = "RUNNER_RESUME_FROM"
-# The manifest's format (seed-bin, torch-state, torch-chunked): a trainer checks it before
+# The manifest's format (seed-bin, torch-state, torch-chunked, files): a trainer checks it before
 # parsing RUNNER_RESUME_FROM, so a payload it cannot read is refused, not misread.
 ENV_RESUME_FORMAT = "RUNNER_RESUME_FORMAT"
 ENV_RESUME_STEP = "RUNNER_RESUME_STEP"
@@ -34,9 +34,11 @@ def child_env(
     attempt: int,
     run_lock: RunDirLock | None,
     mirror: str | None = None,
+    resume_path: Path | None = None,
 ) -> dict[str, str]:
     """The environment of attempt number `attempt`, resuming from `resume` (None: scratch);
-    `mirror`: the RUNNER_MIRROR its ranks commit in themselves (one node of several)."""
+    `mirror`: the RUNNER_MIRROR its ranks commit in themselves (one node of several);
+    `resume_path`: where the checkpoint was put back for it (--adopt), else its payload."""
     # The supervisor owns the mirror, the metrics port and the notice poller: a child
     # that is itself a runner (`runner run -- runner demo`) must not start its own.
     env = {k: v for k, v in os.environ.items() if k not in SUPERVISOR_ONLY_ENV}
@@ -56,7 +58,10 @@ def child_env(
             env[name] = str(value)
     env[ENV_RUN_DIR] = str(run_dir)
     env[ENV_CKPT_DIR] = str(ckpt_dir)
-    env[ENV_RESUME_FROM] = str(payload_path(resume.step_dir, resume.manifest)) if resume else ""
+    if resume is None:
+        env[ENV_RESUME_FROM] = ""
+    else:
+        env[ENV_RESUME_FROM] = str(resume_path or payload_path(resume.step_dir, resume.manifest))
     env[ENV_RESUME_FORMAT] = resume.manifest.format if resume else ""
     env[ENV_RESUME_STEP] = str(resume.step) if resume else ""
     env[ENV_ATTEMPT] = str(attempt)

@@ -32,6 +32,7 @@ from typing import BinaryIO
 
 from runner.checkpoint.layout import CHECKPOINTS_DIR
 from runner.checkpoint.loss_log import LossLog
+from runner.checkpoint.manifest import FORMAT_FILES
 from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
@@ -50,6 +51,7 @@ from runner.preemption.stop import StopController
 from runner.runtime import runlock
 from runner.runtime.lifecycle import find_resume, report_resume, stop_deadline
 from runner.supervisor.adopt import payload_path
+from runner.supervisor.adopt_files import FilesAdopter
 from runner.supervisor.child import (
     DEFAULT_TAIL_LINES,
     AttemptOutput,
@@ -114,15 +116,38 @@ class Supervisor:
         self.writer = CheckpointWriter(
             self.ckpt_dir, run_id=self.run_dir.name, writer_id=config.writer_id
         )
+        self.files = self._files_adopter()
         self.commits = CommitTracker(
-            self.run_dir, writer=self.writer, keep=config.keep, mirror=self.mirror, metrics=metrics
+            self.run_dir,
+            writer=self.writer,
+            keep=config.keep,
+            mirror=self.mirror,
+            metrics=metrics,
+            files=self.files,
         )
+        self._restored: Path | None = None  # where --adopt put the resumed checkpoint back
         self.tail_lines = tail_lines
         self.outputs: deque[AttemptOutput] = deque(maxlen=ATTEMPTS_SHOWN)
         self._stdout = stdout or sys.stdout.buffer
         self._stderr = stderr or sys.stderr.buffer
         self.attempts = 0
         self._run_lock: runlock.RunDirLock | None = None
+
+    def _files_adopter(self) -> FilesAdopter | None:
+        """--adopt: the trainer's own checkpoints, matched in its working directory (ours)."""
+        if not self.config.adopt:
+            return None
+        if not self.mode.owns_checkpoints:
+            raise ConfigError(
+                "--adopt works on one node: on several, the ranks commit in the mirror "
+                "themselves (run one `runner run --adopt` per node without --nnodes > 1)"
+            )
+        return FilesAdopter(
+            self.config.adopt,
+            root=Path.cwd(),
+            writer=self.writer,
+            quiet_seconds=self.config.adopt_quiet_seconds,
+        )
 
     @property
     def last_checkpoint(self) -> CommittedCheckpoint | None:
@@ -142,6 +167,8 @@ class Supervisor:
                 return self._run_locked()
             finally:
                 self._run_lock = None
+                if self.files is not None:
+                    self.files.close()
 
     def _run_locked(self) -> int:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -241,6 +268,16 @@ class Supervisor:
             # the newest checkpoint may predate this process (a retry after a failed upload):
             # a finish or stop with nothing new written still makes sure it is in the mirror
             self.commits.seen(resume.checkpoint)
+        self._restored = None
+        if resume is not None and resume.manifest.format == FORMAT_FILES:
+            if self.files is not None:  # back where the trainer wrote it, byte for byte
+                self._restored = self.files.restore(resume.step_dir, resume.manifest).path
+            else:
+                log.warning(
+                    "step %d is a trainer's own checkpoint (files): without --adopt it is "
+                    "handed over where it is, in the run dir, not put back",
+                    resume.step,
+                )
         # Steps the last attempt logged past this checkpoint are lost: counted, and marked
         # superseded in loss.jsonl; the "started trainer" line says where it resumes.
         with LossLog(self.run_dir, attempt=f"{self.config.writer_id}/{self.attempts}") as losses:
@@ -267,6 +304,7 @@ class Supervisor:
             attempt=self.attempts,
             run_lock=self._run_lock,
             mirror=self.mode.trainer_mirror,
+            resume_path=self._restored,
         )
         launcher.environment(env, grace_seconds=self.config.grace_seconds)
         child = start_trainer(
@@ -282,7 +320,7 @@ class Supervisor:
 
     def _resume_text(self, resume: ResumePoint[None] | None) -> str:
         if resume is not None:
-            return str(payload_path(resume.step_dir, resume.manifest))
+            return str(self._restored or payload_path(resume.step_dir, resume.manifest))
         return self.mode.without_resume()
 
     def _ended_on_its_own(self, code: int) -> int:
@@ -298,6 +336,7 @@ class Supervisor:
                     stop=self.controller,
                     grace_seconds=self.config.grace_seconds,
                     run_dir=self.run_dir,
+                    nothing_stands=self.commits.nothing_stands(),
                 )
             return self._unless_lost(code)
         if code == EXIT_PREEMPTED:
@@ -336,6 +375,7 @@ class Supervisor:
                 stop=self.controller,
                 grace_seconds=self.config.grace_seconds,
                 ckpt_dir=self.ckpt_dir,
+                nothing_stands=self.commits.nothing_stands(),
             )
 
     def _deadline(self) -> float | None:

@@ -21,7 +21,8 @@ from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
 from runner.storage.file import FileStorage
 from runner.storage.retry import store_deadline
-from runner.supervisor.adopt import Adopted, SeedAdopter
+from runner.supervisor.adopt import Adopted, NotAdopted, SeedAdopter
+from runner.supervisor.adopt_files import FilesAdopter
 from runner.supervisor.ending import StopJudgement, judge_stop, last_logged_step, newest_committed
 from runner.supervisor.hooks import MetricsHook, MirrorHook
 from runner.supervisor.rebased import RebaseFollower, rebased_from
@@ -38,6 +39,7 @@ class CommitTracker:
         keep: int,
         mirror: MirrorHook | None,
         metrics: MetricsHook | None,
+        files: FilesAdopter | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.ckpt_dir = writer.ckpt_dir
@@ -45,6 +47,7 @@ class CommitTracker:
         self.mirror = mirror
         self.metrics = metrics
         self.adopter = SeedAdopter(run_dir, writer=writer)
+        self.files = files  # --adopt: the trainer's own checkpoints (adopt_files.py)
         self.last_checkpoint: CommittedCheckpoint | None = None
         # the newest step committed or waiting to be adopted when the stop was forwarded
         self.step_at_stop: int | None = None
@@ -78,9 +81,12 @@ class CommitTracker:
         return True
 
     def adopt(self, *, settled: bool, stopping: bool) -> list[Adopted]:
-        """Adopt the trainer's seed files (`settled`: it has exited, none is still being
-        written); each is counted, pruned around and, unless `stopping`, mirrored."""
+        """Adopt the trainer's seed files and, with --adopt, its own checkpoints (`settled`:
+        it has exited, none is still being written); each is counted, pruned around and,
+        unless `stopping`, mirrored."""
         adopted = self.adopter.scan(settled=settled)
+        if self.files is not None:
+            adopted += self.files.scan(settled=settled)
         for item in adopted:
             ckpt = item.checkpoint
             self.last_checkpoint = ckpt
@@ -199,6 +205,8 @@ class CommitTracker:
         # the stop. A seed file renamed into place but not adopted yet was written before it.
         committed = newest_committed(self.ckpt_dir)
         steps = [parse_seed_bin(p.name) for p in self.adopter.pending()]
+        if self.files is not None:  # its matches not judged yet were written before it too
+            steps += self.files.pending_steps()
         known = [Progress(step=s, samples=0) for s in steps if s is not None]
         known += [Progress.of(c) for c in (committed, self.last_checkpoint) if c is not None]
         newest = newest_of(known)
@@ -219,8 +227,10 @@ class CommitTracker:
             code=code,
             killed=killed,
             logged=last_logged_step(self.run_dir),
-            unadopted_steps=[item.step for item in self.adopter.not_adopted.values()],
+            unadopted_steps=[item.step for item in self._not_adopted()],
             mute_exit=mute_exit,
+            # a trainer's own checkpoints (--adopt): its exit code says nothing of them
+            exit_says_saved=self.files is None,
         )
 
     def raise_if_lost(self) -> None:
@@ -228,3 +238,28 @@ class CommitTracker:
         left open for writing) and nothing later was committed."""
         newest = self.last_checkpoint.step if self.last_checkpoint is not None else None
         self.adopter.raise_if_lost(newest)
+        if self.files is not None:
+            self.files.raise_if_lost(newest)
+
+    def _not_adopted(self) -> list[NotAdopted]:
+        items = list(self.adopter.not_adopted.values())
+        return items + (list(self.files.not_adopted.values()) if self.files is not None else [])
+
+    def nothing_stands(self) -> str:
+        """What to say beside "no checkpoint stands": the trainer's own files that were not
+        adopted, or how to have them adopted."""
+        if self.files is None:
+            return (
+                "the next start begins from scratch, unless the trainer keeps checkpoints of "
+                "its own (`runner run --adopt PATTERN` verifies and mirrors those)"
+            )
+        left = self.files.unadopted()
+        if not left:
+            return (
+                f"nothing matched --adopt {' '.join(self.files.patterns)} in {self.files.root}: "
+                "the next start begins from scratch"
+            )
+        return (
+            f"the trainer's own {', '.join(left)} in {self.files.root} were not adopted "
+            "(not verified, not mirrored); the trainer may still resume from them"
+        )

@@ -17,6 +17,7 @@ from runner.checkpoint.load import load_state
 from runner.checkpoint.manifest import (
     FORMAT_CHUNKED,
     FORMAT_DCP,
+    FORMAT_FILES,
     FORMAT_SEED_BIN,
     FORMAT_TORCH,
     SCHEMA_VERSION,
@@ -53,9 +54,9 @@ def _v2_run(tmp_path: Path) -> Path:
 
 
 def test_schema_versions() -> None:
-    assert (SCHEMA_VERSION, SUPPORTED_SCHEMAS) == ("4", ("1", "2", "3", "4"))
-    formats = (FORMAT_TORCH, FORMAT_SEED_BIN, FORMAT_CHUNKED, FORMAT_DCP)
-    assert [schema_for(f) for f in formats] == ["2", "2", "3", "4"]
+    assert (SCHEMA_VERSION, SUPPORTED_SCHEMAS) == ("5", ("1", "2", "3", "4", "5"))
+    formats = (FORMAT_TORCH, FORMAT_SEED_BIN, FORMAT_CHUNKED, FORMAT_DCP, FORMAT_FILES)
+    assert [schema_for(f) for f in formats] == ["2", "2", "3", "4", "5"]
 
 
 def test_schema_2_torch_sharded_checkpoint_of_the_old_runner_verifies_and_loads(
@@ -183,14 +184,14 @@ def test_migration_from_schema_2() -> None:
     assert migrate(_v2(format="torch-future"), source="m") == _v2(format="torch-future")
 
 
-def test_schema_3_is_read_as_it_is_and_a_newer_one_than_4_is_refused() -> None:
+def test_schema_3_is_read_as_it_is_and_a_newer_one_than_5_is_refused() -> None:
     current = _v2(schema="3", format="torch-chunked")
     assert migrate(dict(current), source="m") == current
     assert migrate(_v2(schema="3", format="torch-sharded"), source="m") == _v2(
         schema="3", format="torch-sharded"
     )
-    with pytest.raises(SchemaError, match=r"unknown schema version '5'.*a newer spot-runner"):
-        migrate(_v2(schema="5"), source="m")
+    with pytest.raises(SchemaError, match=r"unknown schema version '6'.*a newer spot-runner"):
+        migrate(_v2(schema="6"), source="m")
 
 
 def test_schema_3_torch_state_and_seed_bin_manifests_are_accepted_as_schema_2() -> None:

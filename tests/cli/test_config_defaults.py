@@ -48,7 +48,8 @@ def test_every_setting_of_a_run_is_an_option_of_one_of_the_commands() -> None:
     assert both == FIELDS - NOT_OPTIONS
     # the trainer's own settings: `runner run` passes its trainer's command line as given
     assert set(field_options(run)) == FIELDS - NOT_OPTIONS - {"device", "collective_timeout"}
-    assert set(field_options(demo)) == FIELDS - NOT_OPTIONS - {"max_restarts", "restart_backoff"}
+    run_only = {"max_restarts", "restart_backoff", "adopt", "adopt_quiet_seconds"}
+    assert set(field_options(demo)) == FIELDS - NOT_OPTIONS - run_only
 
 
 def test_the_builder_of_default_options_gives_the_default_config(tmp_path: Path) -> None:

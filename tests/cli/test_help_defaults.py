@@ -57,6 +57,13 @@ EXPECTED_OPTIONS = {
     "run": [
         ("--run-dir DIRECTORY", "env var: RUNNER_RUN_DIR; default: runs/run"),
         *SHARED_RUN_OPTIONS,
+        # added by `runner run --adopt` (issue "runner run protects any trainer's own
+        # checkpoints"), after 9fce004
+        ("--adopt PATTERN", "env var: RUNNER_ADOPT"),
+        (
+            "--adopt-quiet-seconds FLOAT RANGE",
+            "env var: RUNNER_ADOPT_QUIET_SECONDS; default: 5.0; 0<=x<=86400.0",
+        ),
         ("--max-restarts INTEGER", "env var: RUNNER_MAX_RESTARTS; default: 3"),
         (
             "--restart-backoff FLOAT RANGE",

@@ -117,7 +117,7 @@ def test_repair_sets_a_corrupt_one_aside_and_leaves_an_unreadable_one_alone(
     data["schema"] = "99"
     manifest.write_text(json.dumps(data))
     unreadable = (
-        f"{manifest}: unknown schema version '99' (this runner reads 1, 2, 3, 4); a newer "
+        f"{manifest}: unknown schema version '99' (this runner reads 1, 2, 3, 4, 5); a newer "
         "spot-runner wrote it: upgrade to read it"
     )
     repaired = runner("repair", str(src), "--json")
