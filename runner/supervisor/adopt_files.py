@@ -120,35 +120,37 @@ class FilesAdopter:
         self._done &= present  # a name that went and came back is judged again
         adopted: list[Adopted] = []
         for match in matches:
-            if match.rel in self._done:
-                continue
-            committed = committed_steps(self.writer.ckpt_dir)
-            if match.step in committed or (committed and match.step < committed[-1]):
-                self._done.add(match.rel)  # a copy of it, or a newer one, is committed
-                continue
-            try:
-                files = list_tree(match.path)
-            except FileNotFoundError:
-                continue
-            except NotAdoptableError as exc:
-                self._refuse(match, str(exc))
-                continue
-            if not settled and not self._finished(match, files):
-                continue
-            writers = open_for_writing([f.path for f in files]) or {}
-            if writers:
-                pid = next(iter(writers.values()))
-                if settled:
-                    self._refuse(
-                        match,
-                        f"still open for writing by pid {pid} after the "
-                        "trainer exited; left in place unjudged",
-                    )
-                continue
-            result = self._adopt(match, files)
-            if result is not None:
+            files = self._judge(match, settled=settled)
+            if files is not None and (result := self._adopt(match, files)) is not None:
                 adopted.append(result)
         return adopted
+
+    def _judge(self, match: Match, *, settled: bool) -> list[TreeFile] | None:
+        """The files of `match` when it is to be adopted now; None when it waits (not
+        finished, still written) or is judged for good (committed already, or refused)."""
+        if match.rel in self._done:
+            return None
+        committed = committed_steps(self.writer.ckpt_dir)
+        if match.step in committed or (committed and match.step < committed[-1]):
+            self._done.add(match.rel)  # a copy of it, or a newer one, is committed
+            return None
+        try:
+            files = list_tree(match.path)
+        except FileNotFoundError:
+            return None
+        except NotAdoptableError as exc:
+            self._refuse(match, str(exc))
+            return None
+        if not settled and not self._finished(match, files):
+            return None
+        writers = open_for_writing([f.path for f in files]) or {}
+        if writers:
+            if settled:
+                pid = next(iter(writers.values()))
+                why = f"still open for writing by pid {pid} after the trainer exited"
+                self._refuse(match, f"{why}; left in place unjudged")
+            return None
+        return files
 
     def _finished(self, match: Match, files: list[TreeFile]) -> bool:
         watch = self._watches.get(match.path.parent)
@@ -224,13 +226,19 @@ class FilesAdopter:
             log.warning("%s", text)
 
     def _watch_parents(self) -> None:
-        """A rename watch on each pattern's directory once it exists, when it is literal."""
+        """A rename watch on each pattern's directory, when that part of it is literal.
+        Created (empty) when missing, so that the watch is in place before the trainer's
+        first save: an empty output directory is what a trainer makes itself."""
         for pattern in self.patterns:
             parent = (self.root / pattern).parent
             if any(c in str(parent) for c in _MAGIC) or parent in self._watches:
                 continue
-            if parent.is_dir():
-                self._watches[parent] = DirWatch(parent)
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self._tell_once(str(parent), f"cannot create {parent} to watch it: {exc}")
+                continue
+            self._watches[parent] = DirWatch(parent)
 
     # -- resume --------------------------------------------------------------------------------
     def restore(self, step_dir: Path, manifest: Manifest) -> Restored:

@@ -125,14 +125,24 @@ def judge_stop(
     """
     at_stop = None if step_at_stop is None else Progress(step_at_stop, samples_at_stop)
     fresh = ckpt is not None and Progress.of(ckpt).newer_than(at_stop)
-    said_saved = exit_says_saved and code in (EXIT_OK, EXIT_PREEMPTED)
-    log_says_saved = (mute_exit or not exit_says_saved) and logged is not None
-    clean = not killed and (said_saved or log_says_saved)
+    clean = not killed and _stopped_cleanly(
+        code, logged=logged, mute_exit=mute_exit, exit_says_saved=exit_says_saved
+    )
     lost_steps = ckpt is not None and logged is not None and logged > ckpt.step
     # a newer file of the trainer's that was not adopted: its final one was lost
     rejected = ckpt is not None and any(step >= ckpt.step for step in unadopted_steps)
     final = ckpt is not None and (fresh or clean) and not lost_steps and not rejected
     return StopJudgement(ckpt=ckpt, fresh=fresh, final=final, logged=logged, lost_steps=lost_steps)
+
+
+def _stopped_cleanly(
+    code: int, *, logged: int | None, mute_exit: bool, exit_says_saved: bool
+) -> bool:
+    """Did the trainer, not killed, say that its state at the stop was already committed:
+    by its exit code (0 or 75), or, when that says nothing, by its loss.jsonl?"""
+    if exit_says_saved and code in (EXIT_OK, EXIT_PREEMPTED):
+        return True
+    return (mute_exit or not exit_says_saved) and logged is not None
 
 
 def finish_stopped(

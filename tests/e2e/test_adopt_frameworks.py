@@ -10,7 +10,10 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.verify import verify_checkpoint
@@ -83,40 +86,48 @@ def _all_verify(mirror: str) -> list[int]:
     return steps
 
 
-def test_hf_trainer_resumes_from_the_bucket_bit_exactly(tmp_path: Path, s3_bucket: str) -> None:
-    args = ["out", "40", "10"]  # max_steps 40 (an epoch is 32), save_steps 10
-    reference = _reference(tmp_path, "hf_trainer.py", *args)
-    mirror = f"s3://{s3_bucket}/hf"
-    first, second, node_b = _stopped_then_resumed_elsewhere(
-        tmp_path, pattern="out/checkpoint-*", script="hf_trainer.py", args=args,
-        stop_after="step 23", mirror=mirror,
-    )  # fmt: skip
-    # HF dies of SIGTERM without a save of its own: what stands was written before the stop
-    assert first.proc.returncode == 1, first.err
-    standing = _standing(first)
-    assert standing in (10, 20)
-    assert second.proc.returncode == 0, second.err
-    assert f"resume from {node_b / 'out' / f'checkpoint-{standing}'}" in second.out
-    assert (node_b / "out" / "final.sha256").read_text() == reference
-    assert _all_verify(mirror)[-1] == 40
+@dataclass(frozen=True)
+class Framework:
+    script: str
+    pattern: str  # the README's --adopt for it
+    args: list[str]
+    stop_after: str  # the line after which node A gets SIGTERM
+    saves: tuple[int, ...]  # the checkpoints written by then
+    restored: str  # where a checkpoint of step {step} is put back, relative to the node
 
 
-def test_lightning_resumes_from_the_bucket(tmp_path: Path, s3_bucket: str) -> None:
+FRAMEWORKS = {
+    # max_steps 40 (an epoch is 32 steps), save_steps 10. HF dies of SIGTERM without a save
+    # of its own (no enable_jit_checkpoint): what stands was written before the stop, exit 1.
+    "hf": Framework(
+        "hf_trainer.py", "out/checkpoint-*", ["out", "40", "10"], "step 23", (10, 20),
+        "out/checkpoint-{step}",
+    ),
     # an epoch is 8 batches and a checkpoint every 8 steps: Lightning restores no mid-epoch
-    # data position, so only an epoch-aligned checkpoint can resume exactly
-    args = ["ckpts", "40", "8"]
-    reference = _reference(tmp_path, "lightning_trainer.py", *args)
-    mirror = f"s3://{s3_bucket}/pl"
+    # data position, so only an epoch-aligned checkpoint can resume exactly. Lightning turns
+    # SIGTERM into an exit of its own without saving: exit 1 too.
+    "lightning": Framework(
+        "lightning_trainer.py", "ckpts/*.ckpt", ["ckpts", "40", "8"], "step 19", (8, 16),
+        "ckpts/step={step}.ckpt",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(FRAMEWORKS))
+def test_a_framework_resumes_from_the_bucket_bit_exactly(
+    name: str, tmp_path: Path, s3_bucket: str
+) -> None:
+    fw = FRAMEWORKS[name]
+    reference = _reference(tmp_path, fw.script, *fw.args)
+    mirror = f"s3://{s3_bucket}/{name}"
     first, second, node_b = _stopped_then_resumed_elsewhere(
-        tmp_path, pattern="ckpts/*.ckpt", script="lightning_trainer.py", args=args,
-        stop_after="step 19", mirror=mirror,
+        tmp_path, pattern=fw.pattern, script=fw.script, args=fw.args,
+        stop_after=fw.stop_after, mirror=mirror,
     )  # fmt: skip
-    # Lightning turns SIGTERM into an exit of its own without saving: not 75
     assert first.proc.returncode == 1, first.err
     standing = _standing(first)
-    assert standing in (8, 16)
+    assert standing in fw.saves
     assert second.proc.returncode == 0, second.err
-    restored = node_b / "ckpts" / f"step={standing}.ckpt"
-    assert f"resume from {restored}" in second.out
-    assert (node_b / "final.sha256").read_text() == reference
+    assert f"resume from {node_b / fw.restored.format(step=standing)}" in second.out
+    assert next(node_b.rglob("final.sha256")).read_text() == reference
     assert _all_verify(mirror)[-1] == 40

@@ -5,6 +5,8 @@ code that says what stands."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -211,3 +213,40 @@ def test_checkpoints_the_trainer_left_are_adopted_before_it_starts(tmp_path: Pat
         [*runner, "convert", "run", "x.bin"], cwd=node, env=env, capture_output=True, text=True
     )
     assert convert.returncode == 2 and "holds a trainer's own files" in convert.stderr
+
+
+def test_a_directory_renamed_into_place_is_adopted_while_the_trainer_runs(tmp_path: Path) -> None:
+    # a quiet period longer than the run: only the rename can make them finished earlier
+    node = tmp_path / "node"
+    code, output = _run(
+        node, "--steps", "4", "--save-every", "2", "--step-seconds", "0", "--rename", quiet="60"
+    )
+    assert code == 0, output
+    assert re.findall(r"^(?:NOT )?adopted checkpoint-\d+$", output, re.M) == [
+        "adopted checkpoint-2",
+        "adopted checkpoint-4",
+    ], output
+    assert _steps(node / "run") == [2, 4]
+
+
+def test_the_readme_command_for_a_loop_saving_one_file_per_step(tmp_path: Path) -> None:
+    section = (REPO / "README.md").read_text().split("## Your trainer's own checkpoints", 1)[1]
+    line = next(x for x in section.splitlines() if "--adopt 'out/ckpt-*.pt'" in x)
+    readme = shlex.split(line)
+    split = readme.index("--")
+    assert readme[:2] == ["runner", "run"] and readme[split + 1 :] == ["python", "train.py"]
+    options = readme[2:split]
+    bucket = tmp_path / "bucket"
+    options[options.index("--mirror") + 1] = str(bucket)
+    reference = _reference(tmp_path, 12)
+    trainer = [sys.executable, str(TRAINER), "--file", "--step-seconds", "0", "--save-every", "4"]
+    for node, steps in ((tmp_path / "a", "8"), (tmp_path / "b", "12")):
+        node.mkdir()
+        sup = Supervised(
+            [*options, "--adopt-quiet-seconds", "0.2", "--", *trainer, "--steps", steps], cwd=node
+        )
+        assert sup.wait(60) == 0, sup.err
+    # node b started empty: step 8 came from the bucket, back to out/ckpt-8.pt
+    assert f"resumed from {tmp_path / 'b' / 'out' / 'ckpt-8.pt'} at step 8" in sup.out
+    assert (tmp_path / "b" / "out" / "final.txt").read_text() == reference
+    assert verify_checkpoint(FileStorage(bucket), 12).extra["source"] == "out/ckpt-12.pt"

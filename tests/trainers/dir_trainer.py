@@ -1,7 +1,10 @@
 """A trainer with checkpoints of its own, as Hugging Face's Trainer writes them: a directory
 `OUT/checkpoint-N/` per save, written in place file after file (`weights.bin`, then after
-`--pause` seconds `state.json`). Its "weights" are a sha256 chain over the steps, so a resume
-from any checkpoint is exact exactly when the final weights equal an uninterrupted run's.
+`--pause` seconds `state.json`); with --rename it writes the directory under a temp name and
+renames it into place, then waits until the runner's copy of it is committed; with --file, one
+file `OUT/ckpt-N.pt` per save instead (a nanoGPT-style loop). Its "weights" are a sha256
+chain over the steps, so a resume from any checkpoint is exact exactly when the final weights
+equal an uninterrupted run's.
 
 It resumes from RUNNER_RESUME_FROM (a `files` checkpoint put back by `runner run --adopt`),
 prints `step N` each step, and at the end writes OUT/final.txt (the weights' hex). On SIGTERM
@@ -31,6 +34,8 @@ def main() -> int:
     parser.add_argument("--hold-open", action="store_true")
     parser.add_argument("--save-on-term", action="store_true")
     parser.add_argument("--keep-last", type=int, default=0, help="delete older checkpoints")
+    parser.add_argument("--rename", action="store_true")
+    parser.add_argument("--file", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,8 +49,12 @@ def main() -> int:
     if resume:
         assert os.environ.get("RUNNER_RESUME_FORMAT") == "files", os.environ
         src = Path(resume)
-        state = json.loads((src / "state.json").read_text())
-        step, weights = state["step"], (src / "weights.bin").read_bytes()
+        if args.file:
+            state = json.loads(src.read_text())
+            step, weights = state["step"], bytes.fromhex(state["weights"])
+        else:
+            state = json.loads((src / "state.json").read_text())
+            step, weights = state["step"], (src / "weights.bin").read_bytes()
         assert int(os.environ["RUNNER_RESUME_STEP"]) == step
         print(f"resumed from {src} at step {step}", flush=True)
 
@@ -54,8 +63,12 @@ def main() -> int:
         step += 1
         weights = hashlib.sha256(weights + step.to_bytes(8, "little")).digest()
         print(f"step {step}", flush=True)
-        if step % args.save_every == 0 or stop:
-            save(out, step, weights, pause=args.pause, hold_open=args.hold_open)
+        if (step % args.save_every == 0 or stop) and args.file:
+            path = out / f"ckpt-{step}.pt"
+            path.write_text(json.dumps({"step": step, "weights": weights.hex()}))
+            print(f"saved {path.name}", flush=True)
+        elif step % args.save_every == 0 or stop:
+            save(out, step, weights, pause=args.pause, hold_open=args.hold_open, rename=args.rename)
             prune(out, keep=args.keep_last)
         if stop:
             print(f"saved step {step} after SIGTERM", flush=True)
@@ -65,8 +78,11 @@ def main() -> int:
     return 0
 
 
-def save(out: Path, step: int, weights: bytes, *, pause: float, hold_open: bool) -> None:
-    ckpt = out / f"checkpoint-{step}"
+def save(
+    out: Path, step: int, weights: bytes, *, pause: float, hold_open: bool, rename: bool
+) -> None:
+    final = out / f"checkpoint-{step}"
+    ckpt = out / f".tmp-checkpoint-{step}" if rename else final
     ckpt.mkdir(exist_ok=True)
     with open(ckpt / "weights.bin", "wb") as f:
         f.write(weights)
@@ -76,6 +92,13 @@ def save(out: Path, step: int, weights: bytes, *, pause: float, hold_open: bool)
     if not hold_open:
         time.sleep(pause)
     (ckpt / "state.json").write_text(json.dumps({"step": step}))
+    if rename:
+        os.rename(ckpt, final)
+        adopted = Path(os.environ["RUNNER_CKPT_DIR"]) / f"step_{step:06d}" / "manifest.json"
+        deadline = time.monotonic() + 20
+        while not adopted.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"{'adopted' if adopted.exists() else 'NOT adopted'} checkpoint-{step}", flush=True)
     print(f"saved checkpoint-{step}", flush=True)
 
 
