@@ -32,10 +32,16 @@ import torch
 FINGERPRINT_VERSION = b"spot-runner-fingerprint/1\0"
 
 
-def fingerprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
-    """sha256 (hex) of the model and optimizer tensors in canonical order."""
+def fingerprint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    user: Mapping[str, Any] | None = None,
+) -> str:
+    """sha256 (hex) of the model and optimizer tensors in canonical order, then the user's
+    own state when there is any (runner.state.user)."""
     return fingerprint_state(
-        model.state_dict(), None if optimizer is None else optimizer.state_dict()
+        model.state_dict(), None if optimizer is None else optimizer.state_dict(), user=user
     )
 
 
@@ -101,9 +107,14 @@ def by_param_index(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint_state(
-    model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any] | None
+    model_state: Mapping[str, Any],
+    optimizer_state: Mapping[str, Any] | None,
+    *,
+    user: Mapping[str, Any] | None = None,
 ) -> str:
-    """Same digest as `fingerprint`, from state dicts (e.g. a checkpoint loaded from disk)."""
+    """Same digest as `fingerprint`, from state dicts (e.g. a checkpoint loaded from disk).
+    `user`: the saved user state, its leaves by dotted path in section `user` (none: the
+    digest of model and optimizer alone, as before extras existed)."""
     if "param_groups" in model_state:
         # Swapped arguments would silently give another digest: refuse the likely mix-up.
         raise TypeError("fingerprint_state: model_state looks like an optimizer state_dict")
@@ -116,13 +127,19 @@ def fingerprint_state(
             entry = per_param[index]
             for key in sorted(entry):
                 _update(digest, "optimizer", f"{index}.{key}", entry[key])
+    if user:
+        from runner.state.user import flatten_tensors
+
+        flat = flatten_tensors(user)
+        for path in sorted(flat):
+            _update(digest, "user", path, flat[path])
     return digest.hexdigest()
 
 
 def fingerprint_payload(payload: Mapping[str, Any]) -> str:
     """Same digest as `fingerprint`, from a train-state payload (`ModuleTrainState.capture()`,
     whose "model" and "optimizer" are the two state dicts): the fingerprint of what is saved."""
-    return fingerprint_state(payload["model"], payload.get("optimizer"))
+    return fingerprint_state(payload["model"], payload.get("optimizer"), user=payload.get("user"))
 
 
 def _index_key(index: Any) -> tuple[int, str]:

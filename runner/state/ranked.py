@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 SHARED_KEYS = ("schema", "param_names", "scheduler", "counters", "loss_history", "extra")
-RANK_KEYS = ("rng", "sampler")
+RANK_KEYS = ("rng", "sampler", "user")  # "user": only when the state has extras
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +131,11 @@ def split_payload(
     return RankedPayload(
         tensors=tensors,
         shared={key: payload[key] for key in SHARED_KEYS},
-        own={"rank": rank, "world_size": world_size, **{key: payload[key] for key in RANK_KEYS}},
+        own={
+            "rank": rank,
+            "world_size": world_size,
+            **{key: payload[key] for key in RANK_KEYS if key in payload},
+        },
         rank=rank,
         world_size=world_size,
     )

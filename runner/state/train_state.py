@@ -11,7 +11,8 @@ Layout (schema "2"; the checkpoint writer stores it as is)::
      "rng": runner.state.rng.capture_rng(),  # python, numpy, torch CPU, every CUDA device
      "sampler": ResumableSampler.state_dict() or {},
      "loss_history": [float, ...],                   # loss of steps 1..step
-     "extra": {...}}                                 # caller's plain data
+     "extra": {...},                                 # caller's plain data
+     "user": {name: saved form}}                     # ModuleTrainState(extra=...), if any
 
 Only tensors, ints, floats, strings, None, lists, tuples and dicts: no pickled objects.
 Restoring returns the `Counters` to continue from; a resume at another world size rescales them
@@ -35,6 +36,7 @@ from runner.state.fingerprint import fingerprint as fingerprint_of
 from runner.state.fingerprint import fingerprint_payload, full_fingerprint, gather_full
 from runner.state.ranked import RankedPayload, load_tensor_state, split_payload, tensor_state
 from runner.state.sampler import ResumableSampler
+from runner.state.user import USER_KEY, capture_user, check_extra, check_user, restore_user
 from runner.state.validate import TRAIN_STATE_SCHEMA, check_restorable
 from runner.state.worldsize import (
     announce_schedule_move,
@@ -48,7 +50,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class ModuleTrainState:
-    """TrainState for a plain PyTorch loop: model, optimizer, optional scheduler and sampler."""
+    """TrainState for a plain PyTorch loop: model, optimizer, optional scheduler and sampler,
+    and `extra`: named objects of the user's own that the checkpoint must hold too (an EMA, a
+    GradScaler, a torch.Generator, a prefetched batch in a dict; runner.state.user)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -57,12 +61,14 @@ class ModuleTrainState:
     world_size: int = 1
     counters: Counters = field(default_factory=Counters)
     loss_history: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
     # a subclass that moves the schedule again after the restore (the demo stretches it to the
     # run's length at the new world size) logs the one line itself, with the value it uses
     announce_schedule: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.counters.world_size = self.world_size
+        self.extra = check_extra(self.extra)
 
     def advance(self, *, loss: float, samples: int | None = None) -> None:
         """Record one completed optimizer step. `samples` defaults to the sampler's global batch."""
@@ -84,6 +90,7 @@ class ModuleTrainState:
             sampler=self.sampler,
             loss_history=self.loss_history,
             extra=extra,
+            user=capture_user(self.extra) if self.extra else None,
             copy=copy,
         )
 
@@ -99,6 +106,7 @@ class ModuleTrainState:
     ) -> Counters:
         """`restore`, with the model/optimizer/scheduler load replaced by `load_modules`
         when given (DCP's tensors, a sharded model's full state)."""
+        check_user(state.get(USER_KEY), self.extra)  # before anything is loaded
         self.counters = restore_train_state(
             state,
             model=self.model,
@@ -110,6 +118,8 @@ class ModuleTrainState:
             load_modules=load_modules,
             announce_schedule=self.announce_schedule,
         )
+        if self.extra:
+            restore_user(state.get(USER_KEY), self.extra, step=self.counters.step)
         history = [float(x) for x in state.get("loss_history", [])]
         # A resume at more ranks rescaled the step down: the history counts the old size's
         # steps, so the part past the new step would claim steps this run has not taken.
@@ -165,7 +175,8 @@ class ModuleTrainState:
         )
 
     def fingerprint(self) -> str:
-        return fingerprint_of(self.model, self.optimizer)
+        user = capture_user(self.extra) if self.extra else None
+        return fingerprint_of(self.model, self.optimizer, user=user)
 
     def full_fingerprint(self, *, primary: bool = True) -> str:
         """The fingerprint of the full (unsharded) state on the primary rank ("" on the
@@ -193,6 +204,7 @@ def capture_train_state(
     sampler: ResumableSampler | None = None,
     loss_history: list[float] | None = None,
     extra: dict[str, Any] | None = None,
+    user: dict[str, Any] | None = None,
     copy: bool = False,
 ) -> dict[str, Any]:
     """The training state in the documented layout.
@@ -213,6 +225,8 @@ def capture_train_state(
         "loss_history": [float(x) for x in (loss_history or [])],
         "extra": dict(extra or {}),
     }
+    if user:
+        state[USER_KEY] = user
     return _snapshot(state) if copy else state
 
 
