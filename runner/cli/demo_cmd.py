@@ -113,10 +113,16 @@ def demo(
     sys.exit(code)
 
 
-@click.command()
+@click.command(context_settings={"ignore_unknown_options": False})
 @click.option("--steps", type=int, default=60, show_default=True, help="Steps of each run.")
 @click.option("--stop-at", type=int, default=None, help="Step to SIGTERM at (default: random).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=int,
+    default=None,
+    help="The demo's seed (default 0); with a CMD, the seed of the drawn stop step (default: "
+    "random, printed: give it to replay).",
+)
 @click.option(
     "--work-dir",
     type=click.Path(file_okay=False),
@@ -146,10 +152,12 @@ def demo(
     help="The save mode of every run of the drill (runner demo --save-mode).",
 )
 @options.json_output
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill(
+    command: tuple[str, ...],
     steps: int,
     stop_at: int | None,
-    seed: int,
+    seed: int | None,
     work_dir: str | None,
     ranks: int,
     resume_ranks: int | None,
@@ -159,11 +167,24 @@ def drill(
     """Resume audit: straight run vs SIGTERM + resume in a fresh process, plus what each
     omission (optimizer state, data position, fp32 weights, RNG) would have cost.
 
+    `runner drill [--stop-at N] [--seed S] [--work-dir D] -- CMD ...` audits your own script
+    (built on TrainSession or an integration) instead of the demo: CMD straight, then CMD
+    with SIGTERM at a random step after its first checkpoint and CMD again, each copy in a
+    fresh working directory (a relative run dir lands there) without RUNNER_MIRROR; exit 0
+    "exact", or exit 3 with the first step whose loss differs and its likely causes.
+
     With --ranks N (or --resume-ranks): the runs on N ranks, and the stopped checkpoint
     resumed at M ranks must end at the straight run's samples_seen, every sample consumed
     exactly once. The omission table is single-process: skipped there."""
     from runner.demo.ablations import format_table, run_ablation_study
     from runner.demo.drill import report_json, run_drill
+
+    if command:
+        from runner.cli.drill_cmd import drill_script
+
+        drill_script(list(command), stop_at=stop_at, seed=seed, work_dir=work_dir, as_json=as_json)
+        return
+    seed = 0 if seed is None else seed
 
     if steps < 2 or (stop_at is not None and not 0 < stop_at < steps):
         raise click.BadParameter("need --steps >= 2 and 0 < --stop-at < --steps")

@@ -14,18 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.checkpoint.listing import list_checkpoints, read_manifest
+from runner.audit.outcome import RunOutcome, differing_steps, outcome
+from runner.checkpoint.listing import list_checkpoints
 from runner.checkpoint.loss_log import LossLog
-from runner.errors import EXIT_OK, EXIT_PREEMPTED, IntegrityError, RunnerError
+from runner.errors import EXIT_OK, EXIT_PREEMPTED, RunnerError
 from runner.storage.file import FileStorage
 
 SIGTERM_TIMEOUT_SECONDS = 120.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunOutcome:
-    fingerprint: str
-    losses: dict[int, float]
+__all__ = ["DrillReport", "RunOutcome", "outcome", "run_drill"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,9 +33,7 @@ class DrillReport:
 
     def loss_verdict(self) -> str:
         straight, resumed = self.straight.losses, self.resumed.losses
-        differing = sorted(
-            s for s in straight.keys() | resumed.keys() if straight.get(s) != resumed.get(s)
-        )
+        differing = differing_steps(straight, resumed)
         if not differing:
             return f"identical at all {len(straight)} steps"
         return f"differs at {len(differing)} steps, first at step {differing[0]}"
@@ -58,15 +52,6 @@ def demo_command(run_dir: Path, *, steps: int, seed: int, ckpt_every: int) -> li
         "--run-dir", str(run_dir), "--steps", str(steps), "--seed", str(seed),
         "--ckpt-every", str(ckpt_every), "--device", "cpu", "--no-progress",
     ]  # fmt: skip
-
-
-def outcome(run_dir: Path) -> RunOutcome:
-    storage = FileStorage(run_dir)
-    steps = list_checkpoints(storage)
-    if not steps:
-        raise IntegrityError(f"{run_dir}: the run left no checkpoint")
-    manifest = read_manifest(storage, steps[-1])
-    return RunOutcome(fingerprint=manifest.fingerprint, losses=LossLog(run_dir).read())
 
 
 def run_to_end(cmd: list[str]) -> None:
