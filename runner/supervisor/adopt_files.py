@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.checkpoint.formats.files import (
-    KIND_KEY,
-    SOURCE_KEY,
     NotAdoptableError,
     Restored,
     TreeFile,
@@ -31,8 +29,9 @@ from runner.checkpoint.formats.files import (
     signature,
     step_in_name,
 )
-from runner.checkpoint.manifest import FORMAT_FILES, Manifest
-from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, committed_steps
+from runner.checkpoint.manifest import Manifest
+from runner.checkpoint.tree import TreeChangedError, commit_tree
+from runner.checkpoint.writer import CheckpointWriter, committed_steps
 from runner.errors import CheckpointConflictError, IntegrityError
 from runner.supervisor.adopt import Adopted, CheckpointNotAdoptedError, NotAdopted
 from runner.supervisor.writer_detection import DirWatch, open_for_writing
@@ -49,10 +48,6 @@ class Match:
     path: Path
     step: int
     pattern: str
-
-
-class _Changed(Exception):
-    """The tree changed while it was being copied."""
 
 
 class FilesAdopter:
@@ -166,28 +161,16 @@ class FilesAdopter:
 
     def _adopt(self, match: Match, files: list[TreeFile]) -> Adopted | None:
         start = time.monotonic()
-        meta = CheckpointMeta(
-            step=match.step,
-            samples_seen=0,
-            world_size=1,
-            epoch=0,
-            batch_in_epoch=0,
-            fingerprint="",
-            extra={
-                SOURCE_KEY: match.rel,
-                KIND_KEY: "dir" if match.path.is_dir() else "file",
-                "adopted_by": "runner run --adopt",
-                "pattern": match.pattern,
-            },
-        )
         try:
-            with self.writer.staging(match.step) as stage:
-                for f in files:
-                    stage.copy_in(f.rel, f.path)
-                if signature(list_tree(match.path)) != signature(files):
-                    raise _Changed
-                checkpoint = self.writer.commit(stage, meta=meta, format=FORMAT_FILES)
-        except (_Changed, FileNotFoundError, NotAdoptableError):
+            checkpoint = commit_tree(
+                self.writer,
+                match.path,
+                step=match.step,
+                source=match.rel,
+                files=files,
+                extra={"adopted_by": "runner run --adopt", "pattern": match.pattern},
+            )
+        except (TreeChangedError, FileNotFoundError, NotAdoptableError):
             self._quiet.pop(match.rel, None)
             if match.path.exists():
                 log.info("%s changed while it was copied: tried again once it is quiet", match.rel)
