@@ -1,4 +1,6 @@
-"""spot-runner for a Hugging Face `transformers.Trainer`, in three lines:
+"""spot-runner for a Hugging Face `transformers.Trainer`, in three lines and one import:
+
+    from runner.integrations.transformers import RunConfig, SpotRunnerCallback, exit_process
 
     spot = SpotRunnerCallback(RunConfig(run_dir="runs/hf", mirror="s3://bucket/hf"))
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[spot])
@@ -25,7 +27,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from runner.config import RunConfig
 from runner.errors import ConfigError, RunnerError
 from runner.integrations.spot import SpotRun
+from runner.preemption.exiting import exit_process
 from runner.preemption.stop import StopController
+
+# what a script needs beside the callback, from one import line
+__all__ = ["RunConfig", "SpotRunnerCallback", "exit_process"]
 
 log = logging.getLogger(__name__)
 

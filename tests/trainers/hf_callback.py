@@ -29,9 +29,11 @@ from transformers import (  # noqa: E402
 )
 
 from runner import log_to_stderr  # noqa: E402
-from runner.config import RunConfig  # noqa: E402
-from runner.integrations.transformers import SpotRunnerCallback  # noqa: E402
-from runner.preemption import exit_process  # noqa: E402
+from runner.integrations.transformers import (  # noqa: E402  # spot
+    RunConfig,
+    SpotRunnerCallback,
+    exit_process,
+)
 
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
