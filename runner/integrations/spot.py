@@ -21,8 +21,9 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from runner.checkpoint.formats.files import restore
 from runner.checkpoint.layout import CHECKPOINTS_DIR
@@ -49,6 +50,21 @@ if TYPE_CHECKING:
     from runner.checkpoint.resume_point import ResumePoint
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def run_or_exit(work: Callable[[], T], spot: SpotRun | None = None) -> T:
+    """`work()`, a spot-runner error (a refused checkpoint, bad settings) turned into its exit
+    code and its message, the run's services released first: a user's error inside a
+    framework's callback is no traceback."""
+    try:
+        return work()
+    except RunnerError as exc:
+        log.error("%s", exc)
+        if spot is not None:
+            spot.close()
+        raise SystemExit(exc.exit_code) from None
 
 
 class SpotRun:
@@ -202,11 +218,13 @@ class SpotRun:
             return False, True
         return False, False
 
-    def saved(self, path: Path, step: int, *, final: bool) -> None:
-        """The trainer wrote checkpoint `step` at `path` (every rank its part): rank 0
-        commits it, hands it to the mirror (the final and stop ones go up in `end`, within
-        the deadline) and prunes. A failed commit is logged and counted; training goes on."""
-        self.group.barrier()  # every rank's files are in `path`
+    def saved(self, path: Path, step: int, *, final: bool, every_rank: bool = True) -> None:
+        """The trainer wrote checkpoint `step` at `path` (every rank its part, on every rank;
+        `every_rank` False: rank 0 wrote it alone and calls this alone): rank 0 commits it,
+        hands it to the mirror (the final and stop ones go up in `end`, within the deadline)
+        and prunes. A failed commit is logged and counted; training goes on."""
+        if every_rank:
+            self.group.barrier()  # every rank's files are in `path`
         if self.startup_given_up or not self.rank.acts_as_primary:
             return
         if self.last is not None and self.last.step == step:

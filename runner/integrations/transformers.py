@@ -25,8 +25,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from runner.config import RunConfig
-from runner.errors import ConfigError, RunnerError
-from runner.integrations.spot import SpotRun
+from runner.errors import ConfigError
+from runner.integrations.spot import SpotRun, run_or_exit
 from runner.preemption.exiting import exit_process
 from runner.preemption.stop import StopController
 
@@ -44,7 +44,7 @@ class SpotRunnerCallback(TrainerCallback):
         """Signal handlers, the run dir's lock, metrics and the mirror start here: create it
         first thing in the script (before the model loads) so that a SIGTERM is never
         missed. `stop`: a controller whose handlers the script installed itself."""
-        self.spot = _run(lambda: SpotRun(config, integration="transformers", stop=stop))
+        self.spot = run_or_exit(lambda: SpotRun(config, integration="transformers", stop=stop))
         self._resume_from: Path | None = None
         self._built = False
 
@@ -72,14 +72,14 @@ class SpotRunnerCallback(TrainerCallback):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
-        self._resume_from = _run(lambda: self.spot.resume(_output_dir(args)), self.spot)
+        self._resume_from = run_or_exit(lambda: self.spot.resume(_output_dir(args)), self.spot)
         self._built = True
         return control
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
-        stop, save = _run(lambda: self.spot.step_ended(state.global_step), self.spot)
+        stop, save = run_or_exit(lambda: self.spot.step_ended(state.global_step), self.spot)
         if save:
             control.should_save = True
         if stop:
@@ -92,28 +92,16 @@ class SpotRunnerCallback(TrainerCallback):
         step = state.global_step
         path = _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         final = state.max_steps > 0 and step >= state.max_steps
-        _run(lambda: self.spot.saved(path, step, final=final), self.spot)
+        run_or_exit(lambda: self.spot.saved(path, step, final=final), self.spot)
         return control
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
         finished = state.max_steps > 0 and state.global_step >= state.max_steps
-        _run(lambda: self.spot.end(finished=finished), self.spot)
+        run_or_exit(lambda: self.spot.end(finished=finished), self.spot)
         return control
 
 
 def _output_dir(args: TrainingArguments) -> Path:
     return Path(args.output_dir or ".")
-
-
-def _run(work: Any, spot: SpotRun | None = None) -> Any:
-    """`work()`, a spot-runner error turned into its exit code with its message (a user's
-    error is no traceback), the run's services released first."""
-    try:
-        return work()
-    except RunnerError as exc:
-        log.error("%s", exc)
-        if spot is not None:
-            spot.close()
-        raise SystemExit(exc.exit_code) from None

@@ -1,8 +1,10 @@
-"""The Hugging Face callback (runner.integrations.transformers) around a real `Trainer` from
-PyPI (tiny GPT-2 built in code), alone and under torchrun with 2 ranks, mirrored to a real S3
+"""The framework callbacks (runner.integrations.transformers, runner.integrations.lightning)
+around the real trainers from PyPI (a tiny GPT-2 built in code; a Lightning module with
+dropout and a shuffled loader), alone and under torchrun with 2 ranks, mirrored to a real S3
 server (SeaweedFS): SIGTERM to one rank, every rank stops after the same step with exit 75,
 the node's disk is deleted, the same command on a new node resumes from the bucket and ends
-with the weights of a run that was never interrupted, bit for bit."""
+with the weights of a run that was never interrupted, bit for bit (Lightning's stop lands
+mid-epoch: its data position and RNG come from the callback's state)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,8 +25,23 @@ from runner.checkpoint.verify import verify_checkpoint
 from runner.storage import open_storage
 from tests.fixtures.torchrun import REPO, Torchrun, _env, _killpg
 
-SCRIPT = REPO / "tests" / "trainers" / "hf_callback.py"
-MAX_STEPS, SAVE_STEPS = "12", "4"
+TRAINERS = REPO / "tests" / "trainers"
+
+
+@dataclass(frozen=True)
+class Framework:
+    script: str
+    max_steps: int
+    save_every: int
+    stop_after: int  # SIGTERM once this step was printed
+    resumed: str  # where the stop's checkpoint of step {step} is put back
+
+
+FRAMEWORKS = {
+    "hf": Framework("hf_callback.py", 12, 4, 5, "out/checkpoint-{step}"),
+    # 8 batches an epoch: the stop lands in the second epoch, mid-way
+    "lightning": Framework("lightning_callback.py", 20, 5, 10, "checkpoints/spot-step={step}.ckpt"),
+}  # fmt: skip
 
 
 class Alone:
@@ -61,9 +79,10 @@ Launch = Alone | Torchrun
 def launch(torchrun: Callable[..., Torchrun]) -> Iterator[Callable[..., Launch]]:
     alone: list[Alone] = []
 
-    def start(nproc: int, cwd: Path, mirror: str, pace: str = "0") -> Launch:
+    def start(fw: Framework, nproc: int, cwd: Path, mirror: str, pace: str = "0") -> Launch:
         cwd.mkdir(parents=True, exist_ok=True)
-        args = [str(SCRIPT), "runs/hf", mirror, MAX_STEPS, SAVE_STEPS, pace]
+        every = [str(fw.max_steps), str(fw.save_every)]
+        args = [str(TRAINERS / fw.script), "runs/job", mirror, *every, pace]
         if nproc > 1:
             return torchrun(nproc, args, cwd=cwd)
         alone.append(Alone(args, cwd))
@@ -83,21 +102,24 @@ def _wait_for(run: Launch, rank: int, pattern: str, timeout: float = 120) -> Non
 
 
 def _final(cwd: Path) -> str:
-    return (cwd / "out" / "final.sha256").read_text()
+    (found,) = cwd.rglob("final.sha256")
+    return found.read_text()
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["alone", "torchrun-2"])
+@pytest.mark.parametrize("name", sorted(FRAMEWORKS))
 def test_a_trainer_stopped_on_one_rank_resumes_from_the_bucket_bit_exactly(
-    nproc: int, tmp_path: Path, s3_bucket: str, launch: Callable[..., Launch]
+    name: str, nproc: int, tmp_path: Path, s3_bucket: str, launch: Callable[..., Launch]
 ) -> None:
-    mirror = f"s3://{s3_bucket}/hf"
-    reference = launch(nproc, tmp_path / "reference", "-")
+    fw = FRAMEWORKS[name]
+    mirror = f"s3://{s3_bucket}/{name}"
+    reference = launch(fw, nproc, tmp_path / "reference", "-")
     assert reference.wait() == 0, reference.rank_stderr(0)
 
     node_a = tmp_path / "node-a"
-    first = launch(nproc, node_a, mirror, pace="0.3")
+    first = launch(fw, nproc, node_a, mirror, pace="0.3")
     last = nproc - 1
-    _wait_for(first, last, r"^rank \d+ pid \d+ step 5$")
+    _wait_for(first, last, rf"^rank \d+ pid \d+ step {fw.stop_after}$")
     first.signal_rank(last, signal.SIGTERM)  # one rank only: the others learn it at a step end
     first.wait()
     stops = set()
@@ -106,19 +128,19 @@ def test_a_trainer_stopped_on_one_rank_resumes_from_the_bucket_bit_exactly(
         stops |= set(re.findall(r"stopping at step (\d+)", first.rank_stderr(rank)))
     assert len(stops) == 1, stops  # every rank after the same step
     stopped = int(stops.pop())
-    assert 5 <= stopped < int(MAX_STEPS)
+    assert fw.stop_after <= stopped < fw.max_steps
     store = open_storage(mirror)
     assert list_checkpoints(store)[-1] == stopped
     shutil.rmtree(node_a)  # the node is gone, and its disk with it
 
     node_b = tmp_path / "node-b"
-    second = launch(nproc, node_b, mirror)
+    second = launch(fw, nproc, node_b, mirror)
     assert second.wait() == 0, second.rank_stderr(0)
     for rank in range(nproc):
         out = second.rank_stdout(rank)
-        assert f"resume from out/checkpoint-{stopped}" in out, out
+        assert f"resume from {fw.resumed.format(step=stopped)}\n" in out, out
         assert f"rank {rank} exit 0" in out
     assert _final(node_b) == _final(tmp_path / "reference")
     steps = list_checkpoints(store)
-    assert steps[-1] == int(MAX_STEPS)
+    assert steps[-1] == fw.max_steps
     assert all(verify_checkpoint(store, step).format == "files" for step in steps)
