@@ -109,18 +109,34 @@ class SpotRunnerCallback(pl.Callback):
         if threading.current_thread() is threading.main_thread():
             self._handler = signal.getsignal(signal.SIGTERM)  # ours, before Lightning's
 
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_back_sigterm(trainer)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning's SIGTERM handler (set after on_fit_start) would end the run on the rank
-        # that got the signal; the stop is ours, agreed after a batch. A SIGTERM that came
-        # meanwhile reached our handler too (Lightning chains it): its flag is dropped.
+        self._take_back_sigterm(trainer)
+        mine = self._mine()
+        if mine is not None:
+            restore_rng(mine["rng"])  # after the sanity check: training draws as it did
+
+    def _take_back_sigterm(self, trainer: pl.Trainer) -> None:
+        """Lightning's SIGTERM handler (set after on_fit_start) would end the run on the rank
+        that got the signal (SIGTERMException, exit 0); the stop is ours, agreed after a
+        batch. A SIGTERM that came meanwhile reached our handler too (Lightning chains it):
+        Lightning's flag is dropped."""
         if self._handler is not None:
             signal.signal(signal.SIGTERM, self._handler)
         connector = getattr(trainer, "_signal_connector", None)
         if connector is not None:
             connector.received_sigterm = False
-        mine = self._mine()
-        if mine is not None:
-            restore_rng(mine["rng"])  # after the sanity check: training draws as it did
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # Lightning's SIGTERMException is a SystemExit with code None: a stop that ends the
+        # run that way (a SIGTERM before our handler was back) must not exit 0
+        if isinstance(exception, SystemExit) and exception.code in (None, 0):
+            code = self.spot.abandon(f"{type(exception).__name__} ended the Trainer")
+            raise SystemExit(code) from exception
 
     def on_train_batch_end(
         self,

@@ -314,6 +314,17 @@ class SpotRun:
             log.info("finished; the trainer saved no checkpoint for spot-runner to commit")
         return self.exit_code
 
+    def abandon(self, why: str) -> int:
+        """The trainer ended outside its loop (on this rank alone: no collective): the run
+        is not done and its stop's checkpoint, if any, was never written. Exit 1."""
+        if self.exit_code is None:
+            self.exit_code = EXIT_FAILURE
+            last = self.last or self.resumed
+            stands = f"step {last.step}" if last is not None else "none"
+            log.error("%s before it finished; the checkpoint that stands is %s", why, stands)
+            self.close()
+        return self.exit_code
+
     def _where(self, landed: bool | None) -> str:
         if not self.rank.acts_as_primary:
             return "committed by rank 0"
