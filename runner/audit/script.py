@@ -95,6 +95,13 @@ def run_script_drill(
         cwd.mkdir(parents=True, exist_ok=True)
     _run_to_end(command, cwd=straight_cwd, env=env, what="the straight run")
     straight = outcome(_find_run_dir(straight_cwd))
+    if not straight.fingerprint:
+        # nothing to compare: a verdict of "exact" would be empty
+        raise DrillError(
+            f"the straight run's final checkpoint (step {straight.step}) carries no fingerprint "
+            "of its state: the drill audits scripts built on TrainSession or an integration "
+            "(runner.integrations), not checkpoints adopted by `runner run --adopt`"
+        )
     last = max(straight.losses, default=straight.step)
     rng = random.Random(seed)
     sent_at, final_step, run_dir = _run_and_stop(
@@ -153,7 +160,10 @@ def _run_and_stop(
                 steps = list_checkpoints(FileStorage(run_dir))
                 target = pick(steps[0]) if steps else None
             if run_dir is not None and target is not None:
-                logged = max(LossLog(run_dir).read(), default=0)
+                # how far it trained: its loss log, or its newest commit (a framework that
+                # reports a loss only every `logging_steps`)
+                committed = list_checkpoints(FileStorage(run_dir))
+                logged = max([*LossLog(run_dir).read(), *committed[-1:]], default=0)
                 if logged >= target:
                     proc.send_signal(signal.SIGTERM)
                     sent_at = logged

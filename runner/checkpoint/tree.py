@@ -26,9 +26,11 @@ def commit_tree(
     source: str,
     files: list[TreeFile] | None = None,
     extra: dict[str, Any] | None = None,
+    fingerprint: str = "",
 ) -> CommittedCheckpoint:
     """Commit `path` (its `files`, listed now when not given) as checkpoint `step`, restored
-    later to `source` (relative to the trainer's working directory). FileNotFoundError when
+    later to `source` (relative to the trainer's working directory). `fingerprint`: what the
+    caller knows of the state inside (an integration: the weights'). FileNotFoundError when
     part of it vanished, TreeChangedError when it changed while copied; nothing committed."""
     files = list_tree(path) if files is None else files
     meta = CheckpointMeta(
@@ -37,7 +39,7 @@ def commit_tree(
         world_size=1,
         epoch=0,
         batch_in_epoch=0,
-        fingerprint="",
+        fingerprint=fingerprint,
         extra={
             SOURCE_KEY: source,
             KIND_KEY: "dir" if path.is_dir() else "file",

@@ -23,10 +23,12 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from torch.utils.data import DataLoader
@@ -37,6 +39,7 @@ from runner.integrations.data_position import Position, ResumableLoader, make_re
 from runner.integrations.spot import SpotRun, run_or_exit
 from runner.preemption.exiting import exit_process
 from runner.preemption.stop import StopController
+from runner.state.fingerprint import fingerprint_state
 from runner.state.rng import capture_rng, restore_rng
 
 __all__ = ["RunConfig", "SpotRunnerCallback", "exit_process"]
@@ -147,7 +150,8 @@ class SpotRunnerCallback(pl.Callback):
         batch_idx: int,
     ) -> None:
         step = trainer.global_step
-        stop, save = run_or_exit(lambda: self.spot.step_ended(step), self.spot)
+        loss = _loss_of(outputs)
+        stop, save = run_or_exit(lambda: self.spot.step_ended(step, loss=loss), self.spot)
         if save:
             trainer.save_checkpoint(self.dirpath / f"spot-step={step}.ckpt")
         if stop:
@@ -203,11 +207,16 @@ class SpotRunnerCallback(pl.Callback):
             for dl, saved in zip(self._loaders, mine["loaders"], strict=False):
                 dl.resume_at(Position(**saved))
 
-    def committed(self, path: Path, step: int) -> None:
+    def committed(self, path: Path, step: int, *, fingerprint: Callable[[], str] | None) -> None:
         """Rank 0 wrote `path` (alone: Lightning's checkpoint is rank 0's)."""
         max_steps = self._trainer.max_steps if self._trainer is not None else -1
         final = 0 < max_steps <= step
-        run_or_exit(lambda: self.spot.saved(path, step, final=final, every_rank=False), self.spot)
+        run_or_exit(
+            lambda: self.spot.saved(
+                path, step, final=final, every_rank=False, fingerprint=fingerprint
+            ),
+            self.spot,
+        )
 
 
 class _Committing(CheckpointIO):
@@ -222,7 +231,12 @@ class _Committing(CheckpointIO):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
-        self.callback.committed(Path(path), int(checkpoint.get("global_step", 0)))
+        weights = checkpoint.get("state_dict")
+        self.callback.committed(
+            Path(path),
+            int(checkpoint.get("global_step", 0)),
+            fingerprint=None if weights is None else lambda: fingerprint_state(weights, None),
+        )
 
     def load_checkpoint(
         self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None
@@ -238,6 +252,14 @@ class _Committing(CheckpointIO):
         self.inner.teardown()
 
 
+def _loss_of(outputs: Any) -> float | None:
+    """The loss `training_step` returned (a tensor, or a dict's "loss"), when it has one."""
+    value = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().item())
+    return None
+
+
 def _init_process_group(spot: SpotRun) -> None:
     """Under torchrun the resume is decided on rank 0 before `fit` (which would initialise
     torch.distributed itself): initialised here from torchrun's environment, the backend
@@ -247,6 +269,4 @@ def _init_process_group(spot: SpotRun) -> None:
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") != ""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from runner.checkpoint.formats.files import restore
 from runner.checkpoint.layout import CHECKPOINTS_DIR
+from runner.checkpoint.loss_log import LossLog
 from runner.checkpoint.manifest import FORMAT_FILES
 from runner.checkpoint.retention import prune
 from runner.checkpoint.tree import commit_tree
@@ -38,7 +39,7 @@ from runner.preemption.policy import SavePolicy
 from runner.preemption.signals import install_signal_handlers
 from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import end_run, find_resume
+from runner.runtime.lifecycle import end_run, find_resume, report_resume
 from runner.runtime.rank import launch_context
 from runner.runtime.services import lock_and_serve
 from runner.session.coordination import agree_on_settings, decided_on_primary
@@ -96,6 +97,14 @@ class SpotRun:
         self.writer = CheckpointWriter(
             self.run_dir / CHECKPOINTS_DIR, run_id=uuid.uuid4().hex[:16], writer_id=config.writer_id
         )
+        # the run's loss history (what `runner drill` and `runner status` read): one writer
+        self.loss_log = LossLog(
+            self.run_dir,
+            attempt=config.writer_id,
+            on_failure=self._loss_log_failed,
+            writes=self.rank.acts_as_primary,
+        )
+        self._owned.callback(self.loss_log.close)
         self.group: Group = SINGLE
         self.placement: Placement = OneProcess(stop)
         # the step cadence is the framework's own (save_steps, every_n_train_steps); a seconds
@@ -108,6 +117,10 @@ class SpotRun:
         self.stopped_at: int | None = None
         self.exit_code: int | None = None
         self._known_good: set[int] = set()
+
+    def _loss_log_failed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.checkpoint_failed("loss_log")
 
     def _policy(self, *, start: int) -> SavePolicy:
         seconds = self.config.ckpt_every_seconds if self.rank.acts_as_primary else None
@@ -153,6 +166,15 @@ class SpotRun:
                 return None
             self._check_format(point)
             restored = restore(point.step_dir, point.manifest, root=root)
+            # steps logged past it by the attempt that was lost are superseded
+            report_resume(
+                point,
+                run_dir=self.run_dir,
+                loss_log=self.loss_log,
+                metrics=None,
+                announce=False,
+                mark_from_scratch=False,
+            )
             if self.mirror is not None and point.checkpoint.store_uri is None:
                 keep_mirrored(point, mirror=self.mirror, stop=self.stop, metrics=self.metrics)
             log.info(
@@ -198,8 +220,11 @@ class SpotRun:
 
     # -- the step boundary --------------------------------------------------------------------
 
-    def step_ended(self, step: int) -> tuple[bool, bool]:
-        """After optimizer step `step`, on every rank: (stop now, save this step)."""
+    def step_ended(self, step: int, *, loss: float | None = None) -> tuple[bool, bool]:
+        """After optimizer step `step`, on every rank: (stop now, save this step). `loss`:
+        the step's, when the framework tells it (loss.jsonl, on the primary)."""
+        if loss is not None:
+            self.log_loss(step, loss)
         if self.metrics is not None:
             self.metrics.train_step(step)
         if self.startup_given_up:
@@ -218,11 +243,20 @@ class SpotRun:
             return False, True
         return False, False
 
-    def saved(self, path: Path, step: int, *, final: bool, every_rank: bool = True) -> None:
+    def saved(
+        self,
+        path: Path,
+        step: int,
+        *,
+        final: bool,
+        every_rank: bool = True,
+        fingerprint: Callable[[], str] | None = None,
+    ) -> None:
         """The trainer wrote checkpoint `step` at `path` (every rank its part, on every rank;
         `every_rank` False: rank 0 wrote it alone and calls this alone): rank 0 commits it,
         hands it to the mirror (the final and stop ones go up in `end`, within the deadline)
-        and prunes. A failed commit is logged and counted; training goes on."""
+        and prunes. `fingerprint()`: the digest of the weights inside, in its manifest (what
+        `runner drill` compares). A failed commit is logged and counted; training goes on."""
         if every_rank:
             self.group.barrier()  # every rank's files are in `path`
         if self.startup_given_up or not self.rank.acts_as_primary:
@@ -230,6 +264,7 @@ class SpotRun:
         if self.last is not None and self.last.step == step:
             return  # saved twice at one step (a stop at the trainer's own last step)
         started = time.monotonic()
+        self.loss_log.sync()  # the loss history at least as durable as the checkpoint
         try:
             ckpt = commit_tree(
                 self.writer,
@@ -237,6 +272,7 @@ class SpotRun:
                 step=step,
                 source=path.name,
                 extra={"integration": self.integration},
+                fingerprint=fingerprint() if fingerprint is not None else "",
             )
         except (OSError, RunnerError) as exc:
             if self.metrics is not None:
@@ -261,6 +297,11 @@ class SpotRun:
         self._prune()
         if self.mirror is not None and not final and self.stopped_at is None:
             self.mirror.submit(ckpt)
+
+    def log_loss(self, step: int, loss: float) -> None:
+        """loss.jsonl's line for `step` (the primary writes; never raises)."""
+        if step >= 1 and not self.startup_given_up:
+            self.loss_log.append(step, loss)
 
     def _prune(self) -> None:
         in_flight = self.mirror.in_flight_steps() if self.mirror is not None else set()

@@ -29,6 +29,7 @@ from runner.errors import ConfigError
 from runner.integrations.spot import SpotRun, run_or_exit
 from runner.preemption.exiting import exit_process
 from runner.preemption.stop import StopController
+from runner.state.fingerprint import fingerprint_state
 
 # what a script needs beside the callback, from one import line
 __all__ = ["RunConfig", "SpotRunnerCallback", "exit_process"]
@@ -92,7 +93,20 @@ class SpotRunnerCallback(TrainerCallback):
         step = state.global_step
         path = _output_dir(args) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         final = state.max_steps > 0 and step >= state.max_steps
-        run_or_exit(lambda: self.spot.saved(path, step, final=final), self.spot)
+        model = kw.get("model")
+        weights = None if model is None else lambda: fingerprint_state(model.state_dict(), None)
+        run_or_exit(
+            lambda: self.spot.saved(path, step, final=final, fingerprint=weights), self.spot
+        )
+        return control
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> TrainerControl:
+        # the loss HF reports every `logging_steps` (the mean since the last report)
+        logs = kw.get("logs") or {}
+        if isinstance(logs.get("loss"), int | float):
+            self.spot.log_loss(state.global_step, float(logs["loss"]))
         return control
 
     def on_train_end(

@@ -65,3 +65,27 @@ def test_a_command_that_leaves_no_checkpoint_is_said_so(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr
     assert "the command left no checkpoint under its working directory" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_lightning_script_with_the_callback_is_exact(tmp_path: Path) -> None:
+    """An integration's checkpoints carry the weights' fingerprint and its losses reach
+    loss.jsonl: the drill audits a Lightning script with no TrainSession in it (a shuffling
+    loader, dropout, the stop mid-epoch)."""
+    trainer = REPO / "tests" / "trainers" / "lightning_callback.py"
+    drill = [sys.executable, "-m", "runner", "drill", "--json", "--work-dir", str(tmp_path / "w")]
+    script = [sys.executable, str(trainer), "runs/pl", "-", "20", "5", "0.05"]
+    done = subprocess.run(
+        [*drill, "--seed", "3", "--", *script],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["exact"] is True
+    assert report["straight_fingerprint"] and len(report["straight_fingerprint"]) == 64
+    assert report["straight_fingerprint"] == report["resumed_fingerprint"]
+    losses = (tmp_path / "w" / "straight" / "runs" / "pl" / "loss.jsonl").read_text().splitlines()
+    assert len([line for line in losses if '"step"' in line]) == 20
