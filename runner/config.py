@@ -83,6 +83,10 @@ class RunConfig:
     """`runner run --adopt`: a match written in place is finished once nothing in it changed
     for this long (and no process has a file of it open for writing)."""
     writer_id: str = field(default_factory=default_writer_id)
+    attempt_id: str | None = None
+    """Set by `runner run` for its trainer (RUNNER_ATTEMPT_ID): the attempt record the
+    trainer appends to (runner.goodput.records); None: the process starts an attempt of its
+    own."""
 
     @classmethod
     def default(cls, name: str) -> Any:

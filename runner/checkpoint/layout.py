@@ -15,6 +15,8 @@ __all__ = ["TMP_PREFIX"]  # re-exported: the run dir's temp names (runner.atomic
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_NAME = "manifest.json"
 LOSS_FILE = "loss.jsonl"
+# one file of events per attempt (runner.goodput.records), mirrored under the same name
+ATTEMPTS_DIR = "attempts"
 # The manifest field naming a mirror upload's attempt directory (runner.mirror.remote_layout):
 # defined here so that readers below the mirror layer can strip it.
 ATTEMPT_FIELD = "mirror_attempt"

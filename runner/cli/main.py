@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "runner.cli.checkpoint_cmds:inspect",
     "convert": "runner.cli.transform_cmds:convert",
     "fork": "runner.cli.transform_cmds:fork",
+    "goodput": "runner.cli.goodput_cmd:goodput",
     "prune": "runner.cli.transform_cmds:prune",
     "pivot": "runner.cli.sidecar_cmds:pivot",
     "push": "runner.cli.transfer_cmds:push",

@@ -269,6 +269,13 @@ adopt_quiet_seconds = _opt(
     help="An --adopt match written in place is taken once nothing in it changed for this "
     "long and no process has a file of it open for writing.",
 )
+attempt_id = _opt(
+    "--attempt-id",
+    env="RUNNER_ATTEMPT_ID",
+    hidden=True,  # set by `runner run` for its trainer, not by a person
+    default=None,
+    help="The attempt record this trainer appends to.",
+)
 json_output = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
@@ -292,6 +299,7 @@ def run_options(func: F) -> F:
             seed,
             fresh_start,
             training_store_timeout,
+            attempt_id,
         ]
     ):
         func = decorator(func)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from runner.metrics.goodput import GoodputCollector
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -31,7 +33,7 @@ __all__ = [
 
 LOCAL = "local"
 REMOTE = "remote"
-FAILURE_STAGES = ("save", "upload", "verify", "restore", "loss_log")
+FAILURE_STAGES = ("save", "upload", "verify", "restore", "loss_log", "attempts")
 NOTICE_SOURCES = ("aws", "gcp", "azure", "sigterm")
 # Seconds: a tiny CPU checkpoint takes ~0.1 s, a multi-GB upload over a slow link ~10 min.
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -130,7 +132,7 @@ class RunnerMetrics:
         self._failures = Counter(
             "runner_checkpoint_failures",
             "Checkpoint operations that failed, by stage (save, upload, verify, restore, "
-            "loss_log: an append to loss.jsonl).",
+            "loss_log: an append to loss.jsonl, attempts: an attempt record's append or copy).",
             ["stage"],
             registry=reg,
         )
@@ -155,6 +157,8 @@ class RunnerMetrics:
         for source in NOTICE_SOURCES:
             self._notices.labels(source=source)
         reg.register(_AgeCollector(self))
+        self._goodput = GoodputCollector()
+        reg.register(self._goodput)
 
     # -- reporting (called by the writer, the mirror, the loop, the notice poller) --------------
 
@@ -204,6 +208,14 @@ class RunnerMetrics:
         if location not in (LOCAL, REMOTE):
             raise ValueError(f"location must be {LOCAL!r} or {REMOTE!r}, got {location!r}")
         self._record_success(location, step, at=created_at, only_if_newer=True)
+
+    def goodput(self, *, ratio: float, badput: Mapping[str, float]) -> None:
+        """The run's goodput so far (runner.goodput.account, every attempt's records)."""
+        self._goodput.update(ratio=ratio, badput=badput)
+
+    def checkpoint_interval(self, seconds: float) -> None:
+        """The checkpoint interval in use (`--ckpt-every-seconds auto` re-chooses it)."""
+        self._goodput.interval(seconds)
 
     # -- reading (scrapes, /healthz, tests) ------------------------------------------------------
 

@@ -79,6 +79,8 @@ class Mirror:
         # steps whose copy in the mirror failed verification at resume: checked on upload
         self._suspect: set[int] = set()
         self.last_error: str | None = None
+        # small files copied up after each background upload (the attempt record): key -> path
+        self._records: dict[str, Path] = {}
 
     # -- background uploads --------------------------------------------------------------
 
@@ -118,6 +120,7 @@ class Mirror:
             try:
                 self._upload(ckpt)
                 self._prune(newest_ok=ckpt.step)
+                self._put_records()
             except RunnerError:
                 pass  # already logged and counted; the next checkpoint tries again
             except Exception as exc:  # never let the worker die: training must go on
@@ -128,6 +131,23 @@ class Mirror:
                     self._active.discard(ckpt.step)
                     self._worker_step = None
                     self._cond.notify_all()
+
+    def attach_record(self, path: Path, key: str) -> None:
+        """Copy `path` to `key` after each background upload from now on (an attempt
+        record: it then reaches the mirror with the checkpoints its events describe)."""
+        with self._cond:
+            self._records[key] = path
+
+    def _put_records(self) -> None:
+        with self._cond:
+            records = dict(self._records)
+        for key, path in records.items():
+            try:
+                self.storage.put_bytes(key, path.read_bytes())
+            except (OSError, RunnerError) as exc:  # counted; the next upload copies it again
+                log.warning("mirror: could not copy %s: %s", key, exc)
+                if self.metrics is not None:
+                    self.metrics.checkpoint_failed("attempts")
 
     # -- the final checkpoint ------------------------------------------------------------
 

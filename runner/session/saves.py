@@ -22,6 +22,7 @@ from runner.config import RunConfig
 from runner.errors import RunnerError
 from runner.metrics.registry import RunnerMetrics
 from runner.runtime.rank import RankContext
+from runner.session.attempts import SessionAttempt
 from runner.session.capture import Snapshot
 from runner.session.checkpointer import Checkpointer
 from runner.session.placement import Placement
@@ -46,8 +47,10 @@ class Saves:
         placement: Placement,
         metrics: RunnerMetrics | None,
         mirror: Mirror | None,
+        attempt: SessionAttempt | None = None,
     ) -> None:
         self.config = config
+        self.attempt = attempt
         self.rank = rank
         self.placement = placement
         self.metrics = metrics
@@ -109,6 +112,18 @@ class Saves:
         if self.metrics is not None:
             self.metrics.checkpoint_saved(
                 step=snapshot.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
+            )
+        if self.attempt is not None:
+            # async: the loop waited for the copy only; sync, and a stop's or the end's save
+            # (the loop is over), for the whole save
+            waited = not self.background or snapshot.reason in ("final", "stop")
+            stall = duration if waited else snapshot.copy_seconds
+            self.attempt.committed(
+                step=snapshot.step,
+                samples=committed.manifest.samples_seen,
+                reason=snapshot.reason,
+                stall_seconds=stall,
+                background_seconds=duration if self.background else None,
             )
         if self.rank.acts_as_primary:
             log.info(

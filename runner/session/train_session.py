@@ -39,9 +39,10 @@ from runner.metrics.registry import RunnerMetrics
 from runner.preemption.policy import SavePolicy
 from runner.preemption.startup import StartupInterrupted
 from runner.preemption.stop import StopController
-from runner.runtime.lifecycle import end_run
+from runner.runtime.lifecycle import end_run, stop_deadline
 from runner.runtime.rank import SINGLE_PROCESS, RankContext
 from runner.runtime.services import Services, lock_and_serve
+from runner.session.attempts import SessionAttempt
 from runner.session.checkpointer import PendingSave, TrainState
 from runner.session.coordination import agree_on_settings
 from runner.session.length import carried_length, fixed_length, steps_of
@@ -131,8 +132,15 @@ class TrainSession:
             self.ckpt_dir, run_id=uuid.uuid4().hex[:16], writer_id=config.writer_id
         )
         self.policy = self._policy(start_step=0)
+        # this process's attempt record (runner.goodput): restore, checkpoints, stop, end
+        self.attempt = SessionAttempt(config, rank=rank, metrics=self.metrics, mirror=self.mirror)
         self.saves = Saves(
-            config, rank=rank, placement=self.placement, metrics=self.metrics, mirror=self.mirror
+            config,
+            rank=rank,
+            placement=self.placement,
+            metrics=self.metrics,
+            mirror=self.mirror,
+            attempt=self.attempt,
         )
         # a full disk never stops training for the loss history: counted, logged, retried
         self.loss_log = LossLog(
@@ -238,6 +246,14 @@ class TrainSession:
         The store-bound part runs in a worker that a stop request gives up on
         (runner.preemption.startup): then nothing is restored or trained, `should_stop` is
         true and `finish()` exits 75 without saving or uploading anything."""
+        started = time.monotonic()
+        step = self._restore()
+        self.attempt.ready(
+            seconds=time.monotonic() - started, step=step or 0, world_size=self.rank.world_size
+        )
+        return step
+
+    def _restore(self) -> int | None:
         if self.placement.cleans_partials(self.rank):
             self.writer.cleanup_partial()
         self.placement.before_resume(self.rank, self.ckpt_dir)
@@ -350,6 +366,7 @@ class TrainSession:
             return True
         counters = self.state.counters
         self.loss_log.append_newest(counters.step, self.state.loss_history)
+        self.attempt.step(counters.step)
         if self.metrics is not None:
             self.metrics.train_step(counters.step)
         self.checkpointer.raise_failures()
@@ -397,6 +414,8 @@ class TrainSession:
         code: 0 when the run reached its step target, 75 when it stopped on request (SIGTERM,
         a preemption notice) with the final checkpoint committed."""
         stopped = self.placement.stopping and not self.target_reached
+        if stopped:
+            self.attempt.stopped(self.stop.reason)
         started = time.monotonic()
         ckpt = self._save_final(reason="stop" if stopped else "final")
         self.final_save_seconds = time.monotonic() - started
@@ -428,6 +447,11 @@ class TrainSession:
                 grace_seconds=self.config.grace_seconds,
             )
         self.exit_code = ending.exit_code
+        self.attempt.ended(
+            exit_code=self.exit_code,
+            last_step=self.step,
+            deadline=stop_deadline(self.stop, grace_seconds=self.config.grace_seconds),
+        )
         if self.exit_code == EXIT_FAILURE and ckpt is not None:
             assert self.mirror is not None  # the final upload failed: there is a mirror
             report_not_mirrored(ckpt, mirror=self.mirror, run_dir=self.run_dir)

@@ -3,6 +3,8 @@ supervisor runs with either, both or neither."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Protocol
 
 from runner.checkpoint.writer import CommittedCheckpoint
@@ -23,6 +25,8 @@ class MirrorHook(ResumeSource, Protocol):
 
     def wait_idle(self, timeout: float | None = None) -> bool: ...
 
+    def attach_record(self, path: Path, key: str) -> None: ...
+
 
 class MetricsHook(Protocol):
     """What the supervisor reports (runner.metrics.registry.RunnerMetrics fits)."""
@@ -38,3 +42,5 @@ class MetricsHook(Protocol):
     def train_step(self, step: int) -> None: ...
 
     def checkpoint_found(self, *, location: str, step: int, created_at: float) -> None: ...
+
+    def goodput(self, *, ratio: float, badput: Mapping[str, float]) -> None: ...

@@ -37,12 +37,14 @@ from runner.checkpoint.resume_point import ResumePoint
 from runner.checkpoint.writer import CheckpointWriter, CommittedCheckpoint
 from runner.config import RunConfig
 from runner.errors import (
+    EXIT_FAILURE,
     EXIT_INTEGRITY,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_USAGE,
     ChildFailedError,
     ConfigError,
+    RunnerError,
     TrainerIntegrityError,
     TrainerUsageError,
 )
@@ -52,6 +54,7 @@ from runner.runtime import runlock
 from runner.runtime.lifecycle import find_resume, report_resume, stop_deadline
 from runner.supervisor.adopt import payload_path
 from runner.supervisor.adopt_files import FilesAdopter
+from runner.supervisor.attempts import SupervisedAttempts
 from runner.supervisor.child import (
     DEFAULT_TAIL_LINES,
     AttemptOutput,
@@ -131,6 +134,12 @@ class Supervisor:
         self._stdout = stdout or sys.stdout.buffer
         self._stderr = stderr or sys.stderr.buffer
         self.attempts = 0
+        # each trainer start's record (runner.goodput); none on one node of several
+        self.records = SupervisedAttempts(
+            self.run_dir,
+            mirror=self.mirror,
+            metrics=metrics if self.mode.owns_checkpoints else None,
+        )
         self._run_lock: runlock.RunDirLock | None = None
 
     def _files_adopter(self) -> FilesAdopter | None:
@@ -177,6 +186,8 @@ class Supervisor:
             log.info("%s", described)
         # files left by a trainer whose supervisor died
         self._adopt(settled=True, follow=False)
+        if self.mode.owns_checkpoints:
+            self.records.pull_history()
         try:
             return restart_loop(
                 self._run_once,
@@ -200,12 +211,35 @@ class Supervisor:
 
     # -- one trainer process -------------------------------------------------------------------
     def _run_once(self) -> int:
-        """One attempt: find what to resume from, start the trainer and watch it; how it
-        ended decides the exit code (or a restart: ChildCrashed)."""
+        """One attempt (its record: runner/supervisor/attempts.py, ended however it ends)."""
         if self.controller.stop_requested:
             log.warning("stop requested (%s) before the trainer started", self.controller.reason)
             return EXIT_PREEMPTED
         self.attempts += 1
+        if self.mode.owns_checkpoints:
+            self.records.begin()
+        code = EXIT_FAILURE
+        try:
+            code = self._attempt()
+        except ChildCrashed as crash:
+            code = crash.code
+            raise
+        except RunnerError as exc:
+            code = exc.exit_code
+            raise
+        finally:
+            last = self.last_checkpoint
+            self.records.end(
+                exit_code=code,
+                fallback_step=last.step if last is not None else None,
+                deadline=self._deadline(),
+            )
+        return code
+
+    def _attempt(self) -> int:
+        """Find what to resume from, start the trainer and watch it; how it ended decides
+        the exit code (or a restart: ChildCrashed)."""
+        resolving = time.monotonic()
         try:
             resume = self._resume_point() if self.mode.owns_checkpoints else None
         except StartupInterrupted as exc:
@@ -219,7 +253,10 @@ class Supervisor:
             return EXIT_PREEMPTED
         # torchrun: runner/supervisor/torchrun.py; on several nodes stops go to its workers
         launcher = launcher_for(self.command, stop_workers=self.mode.stops_workers)
+        step = resume.step if resume is not None else None
+        self.records.resolved(seconds=time.monotonic() - resolving, step=step)
         child, output = self._start(resume, launcher)
+        self.records.spawned(step=step)
         try:
             watched = watch(
                 child,
@@ -241,6 +278,8 @@ class Supervisor:
         sweep(child, self.controller)
         output.ended = f"{describe_exit(code)} after {time.monotonic() - child.started_at:.1f} s"
         code = launcher.exit_code(code)  # torchrun's 1 for workers that all exited 75, ...
+        if watched.stop_sent_at is not None:
+            self.records.stop_forwarded(self.controller.reason)
         self._adopt(settled=True)
         if watched.stop_sent_at is not None and isinstance(self.mode, MultiNode):
             took = time.monotonic() - watched.stop_sent_at
@@ -306,6 +345,7 @@ class Supervisor:
             mirror=self.mode.trainer_mirror,
             resume_path=self._restored,
         )
+        env.update(self.records.env())
         launcher.environment(env, grace_seconds=self.config.grace_seconds)
         child = start_trainer(
             self.command,

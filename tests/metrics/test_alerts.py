@@ -30,6 +30,7 @@ DESIGN_ALERTS = {
     "RunnerCheckpointMirrorLagging",
     "RunnerCheckpointFailures",
     "RunnerDown",
+    "RunnerGoodputLow",
 }
 
 
@@ -86,13 +87,13 @@ def test_rules_reference_only_metrics_the_runner_exports():
 def test_promtool_check_rules_passes_on_both_files(promtool, tmp_path):
     result = promtool_run(promtool, "check", "rules", str(ALERTS))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 4 rules found" in result.stdout
+    assert "SUCCESS: 5 rules found" in result.stdout
     # The PrometheusRule's spec is a rules file too.
     spec = tmp_path / "spec.yml"
     spec.write_text(yaml.safe_dump(yaml.safe_load(PROMETHEUS_RULE.read_text())["spec"]))
     result = promtool_run(promtool, "check", "rules", str(spec))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 4 rules found" in result.stdout
+    assert "SUCCESS: 5 rules found" in result.stdout
 
 
 def test_promtool_check_rules_rejects_a_broken_rule(promtool, tmp_path):
@@ -121,7 +122,14 @@ def test_unit_tests_cover_every_alert_firing_and_not_firing():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("stale_after", 7200), ("mirror_lag", 3600), ("failures_window", 60), ("down_for", 600)],
+    [
+        ("stale_after", 7200),
+        ("mirror_lag", 3600),
+        ("failures_window", 60),
+        ("down_for", 600),
+        ("badput_over", 7200),
+        ("goodput_for", 3600),
+    ],
 )
 def test_unit_tests_fail_when_a_threshold_changes(promtool, tmp_path, field, value):
     # The unit tests pin the default thresholds: moving one must break them.
@@ -203,4 +211,4 @@ def test_example_prometheus_config_is_valid(promtool):
         promtool, "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 4 rules found" in result.stdout
+    assert "SUCCESS: 5 rules found" in result.stdout

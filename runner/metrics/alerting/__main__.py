@@ -44,21 +44,33 @@ def _duration_option(flag: str, field: str, help: str) -> click.Option:
         _duration_option("--failures-window", "failures_window", "Any failure within"),
         _duration_option("--down-for", "down_for", "Target unscrapable this long"),
         click.Option(
+            ["--goodput-below"],
+            type=float,
+            default=None,
+            help=f"Goodput ratio under this (default {_DEFAULTS.goodput_below:g}) ...",
+        ),
+        _duration_option("--badput-over", "badput_over", "... with more badput than"),
+        _duration_option("--goodput-for", "goodput_for", "... sustained this long"),
+        click.Option(
             ["--job-matcher"],
             default=None,
             help=f"Label matcher for the runner's targets (default {_DEFAULTS.job_matcher}).",
         ),
     ]
 )
-def main(fmt: str, job_matcher: str | None, **durations: str | None) -> None:
+def main(
+    fmt: str, job_matcher: str | None, goodput_below: float | None, **durations: str | None
+) -> None:
     """Print the spot-runner alert rules (RunnerCheckpointStale, ...MirrorLagging,
-    ...Failures, RunnerDown) with the given thresholds."""
+    ...Failures, RunnerDown, RunnerGoodputLow) with the given thresholds."""
     try:
         overrides: dict[str, Any] = {
             name: parse_duration(value) for name, value in durations.items() if value is not None
         }
         if job_matcher is not None:
             overrides["job_matcher"] = job_matcher
+        if goodput_below is not None:
+            overrides["goodput_below"] = goodput_below
         thresholds = dataclasses.replace(_DEFAULTS, **overrides)
     except RunnerError as exc:
         raise click.UsageError(str(exc)) from exc

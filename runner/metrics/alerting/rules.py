@@ -56,6 +56,12 @@ class Thresholds:
     """RunnerCheckpointFailures: any failure within this window."""
     down_for: int = 300
     """RunnerDown: target unscrapable for this long (a container restart takes less)."""
+    goodput_below: float = 0.9
+    """RunnerGoodputLow: the run's goodput ratio under this ..."""
+    badput_over: int = 3600
+    """... once its badput adds up to more than this (a young run's startup is no alarm) ..."""
+    goodput_for: int = 1800
+    """... for this long."""
     job_matcher: str = 'job=~".*spot-runner.*"'
     """PromQL label matcher selecting the runner's scrape targets for RunnerDown."""
 
@@ -67,9 +73,16 @@ class Thresholds:
             "mirror_lag_for",
             "failures_window",
             "down_for",
+            "badput_over",
+            "goodput_for",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"alert threshold {name} must be > 0 seconds")
+        if not 0 < self.goodput_below < 1:
+            raise ConfigError(
+                f"alert threshold goodput_below must be a ratio between 0 and 1 "
+                f"(got {self.goodput_below})"
+            )
         if not re.fullmatch(r'[a-zA-Z_]\w*\s*(=|!=|=~|!~)\s*"[^"]*"', self.job_matcher):
             raise ConfigError(
                 f"job matcher {self.job_matcher!r} is not a PromQL label matcher; "
@@ -88,13 +101,14 @@ class AlertRule:
 
 
 def alert_rules(t: Thresholds) -> list[AlertRule]:
-    """The four alerts of DESIGN.md with the given thresholds. Long: one table of rules, read top to
+    """The five alerts of DESIGN.md with the given thresholds. Long: one table of rules, read top to
     bottom."""
     d = {
         "stale_after": format_duration(t.stale_after),
         "mirror_lag": format_duration(t.mirror_lag),
         "failures_window": format_duration(t.failures_window),
         "down_for": format_duration(t.down_for),
+        "badput_over": format_duration(t.badput_over),
     }
     return [
         AlertRule(
@@ -194,6 +208,36 @@ def alert_rules(t: Thresholds) -> list[AlertRule]:
                 "3 = corrupt checkpoint (`runner verify`).\n"
                 "Act: restart or reschedule the job; it resumes from the newest verified "
                 "checkpoint. If the run has finished (exit 0), remove the scrape target."
+            ),
+        ),
+        AlertRule(
+            name="RunnerGoodputLow",
+            # the ratio counts every attempt of the run (its attempt records), so a new pod
+            # carries the history on; the badput floor keeps a young run's startup quiet
+            expr=(
+                f"runner_goodput_ratio < {t.goodput_below:g}\n"
+                "and on (job, instance)\n"
+                f"sum by (job, instance) (runner_badput_seconds_total) > {t.badput_over}"
+            ),
+            for_seconds=t.goodput_for,
+            severity="warning",
+            summary=(
+                "{{ $labels.job }} {{ $labels.instance }}: goodput "
+                "{{ $value | humanizePercentage }} of the run's time"
+            ),
+            description=(
+                f"Less than {t.goodput_below:.0%} of this run's wall time (every attempt so "
+                f"far) trained steps that survive, and over {d['badput_over']} went elsewhere: "
+                "the spot discount is being spent on restarts, lost steps or waiting.\n"
+                "Check: `runner goodput RUN_DIR_OR_MIRROR_URI` names the badput: "
+                "wasted_progress (failures without notice lose the steps since the last "
+                "checkpoint), between_attempts (waiting for capacity or a new node), startup "
+                "and restore (image pull, download), checkpoint_stall (saves on the loop).\n"
+                "Act: wasted_progress = checkpoint more often (--ckpt-every-seconds auto "
+                "chooses from the measured cost and failure rate); between_attempts = another "
+                "zone or instance type, or a capacity reservation; startup or restore = a "
+                "smaller image, a bucket in the same region; checkpoint_stall = --save-mode "
+                "async."
             ),
         ),
     ]

@@ -1,0 +1,151 @@
+"""The session's attempt record (runner.goodput.records): what this process writes, when, and
+the goodput metrics recomputed from the whole run's records at each checkpoint.
+
+Alone (`runner demo`, a script), the session writes the attempt's `start` and `end` itself;
+under `runner run` (RUNNER_ATTEMPT_ID set) the supervisor writes them and mirrors the file,
+and the session appends what only it knows: the restore, each checkpoint, progress, the stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runner.config import RunConfig
+from runner.goodput.account import account
+from runner.goodput.history import (
+    UPLOAD_SECONDS,
+    in_background,
+    local_records,
+    pull_records,
+    put_record,
+    within,
+)
+from runner.goodput.records import AttemptLog, new_attempt_id, process_started_at
+from runner.metrics.registry import RunnerMetrics
+from runner.runtime.rank import RankContext
+
+if TYPE_CHECKING:
+    from runner.mirror import Mirror
+
+log = logging.getLogger(__name__)
+
+
+class SessionAttempt:
+    """One process's attempt record, written by the primary only."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        rank: RankContext,
+        metrics: RunnerMetrics | None,
+        mirror: Mirror | None,
+    ) -> None:
+        self.run_dir = Path(config.run_dir)
+        self.supervised = config.attempt_id is not None
+        self.metrics = metrics
+        self.mirror = mirror
+        self.primary = rank.acts_as_primary
+        self.log = AttemptLog(
+            self.run_dir,
+            config.attempt_id or new_attempt_id(),
+            writes=self.primary,
+            on_failure=self._failed,
+        )
+        self._stopped = False
+        self._world_size = rank.world_size
+        if self.primary and mirror is not None:  # copied up after each checkpoint upload
+            mirror.attach_record(self.log.path, self.log.key)
+
+    def _begin(self) -> None:
+        """Alone, the attempt's `start` (at the process's start), written once the restore is
+        done: a start that is refused (exit 2 or 3) leaves the run dir as it found it."""
+        if self.supervised or not self.primary:
+            return
+        mirror = self.mirror
+        if mirror is not None:  # a new node goes on counting the run's earlier attempts
+
+            def pull() -> None:
+                pull_records(mirror.storage, self.run_dir)
+                self.update_metrics()
+
+            in_background(pull, what="copying the attempt records down from the mirror")
+        self.log.event(
+            "start",
+            t=process_started_at(),
+            host=os.environ.get("HOSTNAME") or socket.gethostname(),
+            pid=os.getpid(),
+            world_size=self._world_size,
+        )
+
+    def _failed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.checkpoint_failed("attempts")
+
+    def ready(self, *, seconds: float, step: int, world_size: int) -> None:
+        self._begin()
+        self.log.ready(seconds=seconds, step=step, world_size=world_size)
+        self.update_metrics()
+
+    def committed(
+        self,
+        *,
+        step: int,
+        samples: int,
+        reason: str,
+        stall_seconds: float | None,
+        background_seconds: float | None,
+    ) -> None:
+        self.log.checkpoint(
+            step=step,
+            samples=samples,
+            reason=reason,
+            stall_seconds=stall_seconds,
+            background_seconds=background_seconds,
+        )
+        self.update_metrics()
+
+    def step(self, step: int) -> None:
+        self.log.step(step)
+
+    def stopped(self, reason: str | None) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self.log.event("stop", reason=reason or "stop", notice=True)
+
+    def ended(self, *, exit_code: int, last_step: int, deadline: float | None) -> None:
+        """Alone: the `end` event, then the record copied up within what is left of the
+        stop's deadline (at most UPLOAD_SECONDS). Under a supervisor it does both."""
+        if self.supervised or not self.primary:
+            return
+        self.log.event("end", exit_code=exit_code, last_step=last_step)
+        self.update_metrics()
+        mirror = self.mirror
+        if mirror is None:
+            return
+        seconds = UPLOAD_SECONDS
+        if deadline is not None:
+            seconds = min(seconds, max(deadline - time.monotonic(), 0.0))
+        landed = within(
+            seconds,
+            lambda: put_record(mirror.storage, self.log.path, self.log.key),
+            what=f"copying attempt record {self.log.key} to the mirror",
+        )
+        if not landed:
+            self._failed()
+
+    def update_metrics(self) -> None:
+        """The goodput gauges from every record in the run dir (this attempt's included)."""
+        if self.metrics is None or not self.primary:
+            return
+        try:
+            result = account(local_records(self.run_dir))
+        except (OSError, ValueError) as exc:
+            log.warning("goodput metrics not updated: %s", exc)
+            return
+        self.metrics.goodput(ratio=result.goodput_ratio, badput=result.badput_seconds)
