@@ -45,6 +45,12 @@ class RunConfig:
     """Save every N steps (None or 0 disables the step cadence)."""
     ckpt_every_seconds: float | None = None
     """Save every T seconds of wall clock, whichever of steps/seconds comes first."""
+    ckpt_every_seconds_auto: bool = False
+    """`--ckpt-every-seconds auto`: T chosen from the measured checkpoint cost and the run's
+    failures without notice (runner.goodput.cadence), re-chosen at each checkpoint."""
+    mtbf: float = 86_400.0
+    """`auto`'s prior for the mean time between failures without notice, in seconds (one
+    pseudo-observation: the run's own failures take over as they are seen)."""
     keep: int = 3
     """Committed checkpoints kept locally and in the mirror (>= 2: the newest may be in flight)."""
     grace_seconds: float = 110.0
@@ -134,7 +140,11 @@ def _check_checkpointing(config: RunConfig) -> None:
     if config.ckpt_every is not None and config.ckpt_every < 0:
         raise ConfigError(f"--ckpt-every must be >= 0 (got {config.ckpt_every})")
     if config.ckpt_every_seconds is not None and config.ckpt_every_seconds <= 0:
-        raise ConfigError("--ckpt-every-seconds must be > 0")
+        raise ConfigError("--ckpt-every-seconds must be > 0 (or auto)")
+    if config.ckpt_every_seconds_auto and config.ckpt_every_seconds is not None:
+        raise ConfigError("--ckpt-every-seconds is either auto or a number of seconds, not both")
+    if config.mtbf <= 0:
+        raise ConfigError(f"--mtbf must be > 0 seconds (got {config.mtbf})")
     if config.grace_seconds <= 0:
         raise ConfigError("--grace-seconds must be > 0")
 
@@ -225,6 +235,7 @@ MAXIMA: dict[str, float] = {
     "steps": INT64_MAX,
     "ckpt_every": INT64_MAX,
     "ckpt_every_seconds": 30 * 86_400.0,  # a month
+    "mtbf": 3_650 * 86_400.0,  # ten years
     "keep": 1_000_000,
     "grace_seconds": 86_400.0,  # a day; Kubernetes and clouds give minutes
     "notice_poll_seconds": 3_600.0,

@@ -103,12 +103,37 @@ ckpt_every = _opt(
     default=RunConfig.default("ckpt_every"),
     help="Checkpoint every N steps (0 disables).",
 )
+
+
+class SecondsOrAuto(click.ParamType):
+    """A finite number of seconds, or `auto`."""
+
+    name = "SECONDS|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
+        return FINITE_FLOAT.convert(value, param, ctx)
+
+
+AUTO = "auto"
 ckpt_every_seconds = _opt(
     "--ckpt-every-seconds",
     env="RUNNER_CKPT_EVERY_SECONDS",
-    type=FINITE_FLOAT,
+    type=SecondsOrAuto(),
+    metavar="SECONDS|auto",
     default=RunConfig.default("ckpt_every_seconds"),
-    help="Also checkpoint every T seconds, whichever first.",
+    help="Also checkpoint every T seconds, whichever first; `auto`: T = √(2·C·M) from the "
+    "measured cost C of one checkpoint and the run's mean time M between failures without "
+    "notice (--mtbf until it has seen some), re-chosen at each checkpoint.",
+)
+mtbf = _opt(
+    "--mtbf",
+    env="RUNNER_MTBF",
+    type=click.FloatRange(min=0, min_open=True, max=MAXIMA["mtbf"]),
+    default=RunConfig.default("mtbf"),
+    help="--ckpt-every-seconds auto: the prior mean time between failures without notice, "
+    "in seconds (the run's own failures take over as it sees them).",
 )
 keep = _opt(
     "--keep",
@@ -288,6 +313,7 @@ def run_options(func: F) -> F:
             steps,
             ckpt_every,
             ckpt_every_seconds,
+            mtbf,
             keep,
             grace_seconds,
             save_mode,
@@ -310,4 +336,6 @@ def config_from_options(**params: Any) -> RunConfig:
     """The RunConfig of `runner demo` and `runner run` from their option values (keys that are
     no RunConfig field are the command's own, left out); RunConfig checks every value."""
     names = {f.name for f in dataclasses.fields(RunConfig)}
+    if params.get("ckpt_every_seconds") == AUTO:
+        params = {**params, "ckpt_every_seconds": None, "ckpt_every_seconds_auto": True}
     return RunConfig(**{k: v for k, v in params.items() if k in names and v is not None})

@@ -77,6 +77,11 @@ class SpotRun:
         """Installs the signal handlers at once (from the main thread): a SIGTERM while the
         model loads is a stop at the first step. `stop`: the caller's controller (its
         handlers then are the caller's to install)."""
+        if config.ckpt_every_seconds_auto:
+            raise ConfigError(
+                f"--ckpt-every-seconds auto is not supported by the {integration} callback yet "
+                "(the framework decides its own saves): give a number of seconds"
+            )
         self.config = config
         self.integration = integration
         self.rank = launch_context(os.environ)

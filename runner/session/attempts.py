@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.config import RunConfig
-from runner.goodput.account import account
+from runner.goodput.account import Goodput, account
+from runner.goodput.cadence import FIRST_COST_SECONDS, AutoCadence
 from runner.goodput.history import (
     UPLOAD_SECONDS,
     in_background,
@@ -59,6 +60,26 @@ class SessionAttempt:
         )
         self._stopped = False
         self._world_size = rank.world_size
+        # --ckpt-every-seconds auto: the interval chosen by the primary at each checkpoint
+        self.cadence = (
+            AutoCadence(mtbf_prior=config.mtbf)
+            if config.ckpt_every_seconds_auto and self.primary
+            else None
+        )
+        self._step_began: float | None = None
+        self._stall_since_step = 0.0
+        if self.cadence is not None:
+            log.info(
+                "checkpoint interval %.1f s (auto, until the first checkpoint is measured: "
+                "C taken as %.1f s, M the --mtbf prior %.0f s)",
+                self.cadence.interval,
+                FIRST_COST_SECONDS,
+                config.mtbf,
+            )
+        if metrics is not None and self.primary:
+            every = self.cadence.interval if self.cadence else config.ckpt_every_seconds
+            if every is not None:
+                metrics.checkpoint_interval(every)
         if self.primary and mirror is not None:  # copied up after each checkpoint upload
             mirror.attach_record(self.log.path, self.log.key)
 
@@ -92,6 +113,11 @@ class SessionAttempt:
         self.log.ready(seconds=seconds, step=step, world_size=world_size)
         self.update_metrics()
 
+    @property
+    def interval(self) -> float | None:
+        """The seconds cadence `auto` chose (None without `auto`)."""
+        return self.cadence.interval if self.cadence is not None else None
+
     def committed(
         self,
         *,
@@ -108,10 +134,40 @@ class SessionAttempt:
             stall_seconds=stall_seconds,
             background_seconds=background_seconds,
         )
-        self.update_metrics()
+        if not background_seconds:  # a sync save's stall lies inside the next step's time
+            self._stall_since_step += stall_seconds or 0.0
+        result = self.update_metrics()
+        if self.cadence is None or result is None or reason in ("final", "stop"):
+            return
+        run = sum(a.ended_at - a.started_at for a in result.attempts)
+        # this attempt has no end yet: it is running, not failed
+        failures = sum(
+            1
+            for a in result.attempts
+            if a.end == "failed" and not a.notice and a.attempt != self.log.attempt_id
+        )
+        choice = self.cadence.checkpointed(
+            stall=stall_seconds or 0.0,
+            background=background_seconds,
+            seconds_run=run,
+            failures=failures,
+        )
+        log.info("%s", choice.describe())
+        if self.metrics is not None:
+            self.metrics.checkpoint_interval(choice.interval)
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, *, saving: bool) -> None:
+        """At each step boundary: the progress event, and for `auto` the step's loop time
+        (`saving`: a background save was in flight)."""
         self.log.step(step)
+        if self.cadence is None:
+            return
+        now = time.monotonic()
+        if self._step_began is not None:
+            took = now - self._step_began - self._stall_since_step
+            self.cadence.step(took, saving=saving)
+        self._step_began = now
+        self._stall_since_step = 0.0
 
     def stopped(self, reason: str | None) -> None:
         if not self._stopped:
@@ -139,13 +195,16 @@ class SessionAttempt:
         if not landed:
             self._failed()
 
-    def update_metrics(self) -> None:
-        """The goodput gauges from every record in the run dir (this attempt's included)."""
-        if self.metrics is None or not self.primary:
-            return
+    def update_metrics(self) -> Goodput | None:
+        """The goodput gauges from every record in the run dir (this attempt's included);
+        the account, for the cadence."""
+        if (self.metrics is None and self.cadence is None) or not self.primary:
+            return None
         try:
             result = account(local_records(self.run_dir))
         except (OSError, ValueError) as exc:
             log.warning("goodput metrics not updated: %s", exc)
-            return
-        self.metrics.goodput(ratio=result.goodput_ratio, badput=result.badput_seconds)
+            return None
+        if self.metrics is not None:
+            self.metrics.goodput(ratio=result.goodput_ratio, badput=result.badput_seconds)
+        return result

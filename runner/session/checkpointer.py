@@ -199,6 +199,11 @@ class Checkpointer:
         finally:
             self.last_stall_seconds = time.monotonic() - started
 
+    @property
+    def saving(self) -> bool:
+        """A background save is persisting (the loop trains beside it)."""
+        return bool(getattr(self.saver, "in_flight", False))
+
     def wait_for_saving(self) -> CommittedCheckpoint | None:
         return self.saver.wait_for_saving()
 

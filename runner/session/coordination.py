@@ -103,7 +103,9 @@ def shared_settings(config: RunConfig) -> dict[str, object]:
         "--steps": config.steps,
         "--seed": config.seed,
         "--ckpt-every": config.ckpt_every,
-        "--ckpt-every-seconds": config.ckpt_every_seconds,
+        "--ckpt-every-seconds": "auto"
+        if config.ckpt_every_seconds_auto
+        else config.ckpt_every_seconds,
         "--keep": config.keep,
         "--save-mode": config.save_mode,
     }

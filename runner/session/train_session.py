@@ -366,7 +366,9 @@ class TrainSession:
             return True
         counters = self.state.counters
         self.loss_log.append_newest(counters.step, self.state.loss_history)
-        self.attempt.step(counters.step)
+        self.attempt.step(counters.step, saving=self.checkpointer.saving)
+        if (interval := self.attempt.interval) is not None:  # --ckpt-every-seconds auto
+            self.policy.every_seconds = interval
         if self.metrics is not None:
             self.metrics.train_step(counters.step)
         self.checkpointer.raise_failures()

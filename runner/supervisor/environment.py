@@ -48,7 +48,11 @@ def child_env(
     for name, value in (
         ("RUNNER_STEPS", config.steps),
         ("RUNNER_CKPT_EVERY", config.ckpt_every),
-        ("RUNNER_CKPT_EVERY_SECONDS", config.ckpt_every_seconds),
+        (
+            "RUNNER_CKPT_EVERY_SECONDS",
+            "auto" if config.ckpt_every_seconds_auto else config.ckpt_every_seconds,
+        ),
+        ("RUNNER_MTBF", config.mtbf if config.ckpt_every_seconds_auto else None),
         ("RUNNER_KEEP", config.keep),
         ("RUNNER_GRACE_SECONDS", config.grace_seconds),
         ("RUNNER_SEED", config.seed),

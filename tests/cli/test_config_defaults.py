@@ -24,7 +24,8 @@ from tests.fixtures.aws_env import isolated_aws_env
 
 FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
 # not user options of these commands: set by the CLI (run_dir's per-command default, writer_id)
-NOT_OPTIONS = {"run_dir", "writer_id"}
+# ckpt_every_seconds_auto is `--ckpt-every-seconds auto`
+NOT_OPTIONS = {"run_dir", "writer_id", "ckpt_every_seconds_auto"}
 
 
 def field_options(command: click.Command) -> dict[str, click.Option]:

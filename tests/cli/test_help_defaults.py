@@ -20,12 +20,14 @@ from runner.config import MAXIMA, NOTICE_SOURCES
 from runner.errors import EXIT_USAGE
 from runner.storage.limits import MIN_STORE_TIMEOUT_S
 
-# (declaration, the bracket click appends to the help), as `--help` printed them at 9fce004
+# (declaration, the bracket click appends to the help), as `--help` printed them at 9fce004;
+# --ckpt-every-seconds takes `auto` and --mtbf is its prior since the goodput issue
 SHARED_RUN_OPTIONS = [
     ("--mirror TEXT", "env var: RUNNER_MIRROR"),
     ("--steps INTEGER", "env var: RUNNER_STEPS"),
     ("--ckpt-every INTEGER", "env var: RUNNER_CKPT_EVERY; default: 100"),
-    ("--ckpt-every-seconds FLOAT", "env var: RUNNER_CKPT_EVERY_SECONDS"),
+    ("--ckpt-every-seconds SECONDS|auto", "env var: RUNNER_CKPT_EVERY_SECONDS"),
+    ("--mtbf FLOAT RANGE", "env var: RUNNER_MTBF; default: 86400.0; 0<x<=315360000.0"),
     ("--keep INTEGER", "env var: RUNNER_KEEP; default: 3"),
     ("--grace-seconds FLOAT", "env var: RUNNER_GRACE_SECONDS; default: 110.0"),
     ("--save-mode [async|sync]", "env var: RUNNER_SAVE_MODE; default: async"),
