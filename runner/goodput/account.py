@@ -7,15 +7,17 @@ From the first attempt's start to the last one's end:
 - `startup`: process start to the restore (interpreter, imports, the job's set-up);
 - `restore`: finding, downloading, verifying and loading the checkpoint;
 - `checkpoint_stall`: the loop blocked by saves;
-- `wasted_progress`: training of steps lost to a failure without a final checkpoint, and
-  redone by a later attempt;
+- `wasted_progress`: training of steps lost to a failure without a final checkpoint (redone
+  by a later attempt, or past the newest checkpoint of a last attempt that failed);
 - `between_attempts`: one attempt's end to the next one's start (scheduling, a new node);
 - `other`: the rest (the final upload and exit, a loop that trained no step), so that the
   buckets add up to the wall time.
 
-Between two events that carry a step (ready, checkpoint, progress, end), the steps trained are
-taken to have cost the same time each; the stall of the checkpoint that ends the interval is
-not training.
+Between two events that carry a step (ready, save, progress, end), the steps trained are
+taken to have cost the same time each; the stall of the save that ends the interval is not
+training. Time two attempts overlap (a replacement started before the old one ended) is
+counted once, as the newer attempt's. Steps are compared as steps: a resume at another world
+size (steps rescaled) is not told apart yet.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ BADPUT_KINDS = (
     "other",
 )
 
-_STEP_EVENTS = ("checkpoint", "progress")
+_STEP_EVENTS = ("save", "progress")  # the loop's own points in time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,9 +136,14 @@ class _Attempt:
     @property
     def last_step(self) -> int:
         end = self.first("end")
-        if end is not None and isinstance(end.get("last_step"), int):
-            return max(end["last_step"], self.resumed_step)
+        ended = _int(end.get("last_step")) if end is not None else 0
         steps = [_int(e.get("step")) for e in self.events if e.get("event") in _STEP_EVENTS]
+        return max([self.resumed_step, ended, *steps])
+
+    @property
+    def newest_committed(self) -> int:
+        """The newest step this attempt committed (its resumed step when none)."""
+        steps = [_int(e.get("step")) for e in self.events if e.get("event") == "checkpoint"]
         return max([self.resumed_step, *steps])
 
     @property
@@ -148,17 +155,19 @@ class _Attempt:
             return "preempted"
         return "failed"
 
-    def points(self) -> list[tuple[float, int, float]]:
-        """(t, step, stall seconds ending there) from the restore to the end."""
+    def points(self, until: float) -> list[tuple[float, int, float]]:
+        """(t, step, stall seconds ending there) from the restore to the end, no later than
+        `until` (the next attempt's start: time two attempts overlap is counted once)."""
         ready = self.ready()
         if ready is None:
             return []
-        points = [(float(ready["t"]), self.resumed_step, 0.0)]
+        points = [(min(float(ready["t"]), until), self.resumed_step, 0.0)]
         for e in self.events:
             if e.get("event") in _STEP_EVENTS and float(e["t"]) >= points[0][0]:
-                stall = _float(e.get("stall_seconds")) if e["event"] == "checkpoint" else 0.0
-                points.append((float(e["t"]), max(_int(e.get("step")), points[-1][1]), stall))
-        points.append((self.ended_at, max(self.last_step, points[-1][1]), 0.0))
+                stall = _float(e.get("stall_seconds"))
+                step = max(_int(e.get("step")), points[-1][1])
+                points.append((min(float(e["t"]), until), step, stall))
+        points.append((min(self.ended_at, until), max(self.last_step, points[-1][1]), 0.0))
         return points
 
     def summary(self) -> AttemptSummary:
@@ -181,12 +190,17 @@ def account(records: Mapping[str, bytes | Sequence[dict[str, Any]]]) -> Goodput:
     goodput = 0.0
     redone = 0
     for index, attempt in enumerate(attempts):
-        startup, restore = _startup_and_restore(attempt)
+        following = attempts[index + 1] if index + 1 < len(attempts) else None
+        until = following.started_at if following is not None else attempt.ended_at
+        startup, restore = _startup_and_restore(attempt, until)
         buckets["startup"] += startup
         buckets["restore"] += restore
-        # each step of this attempt survives unless a later attempt trained it again
+        # each step of this attempt survives unless a later attempt trained it again, or it
+        # is the run's last attempt and failed past its newest checkpoint
         later = [(a.resumed_step, a.last_step) for a in attempts[index + 1 :]]
-        points = attempt.points()
+        if following is None and attempt.ending == "failed":
+            later.append((attempt.newest_committed, attempt.last_step))
+        points = attempt.points(until)
         for (t0, s0, _), (t1, s1, stall) in itertools.pairwise(points):
             stall = min(max(stall, 0.0), max(t1 - t0, 0.0))
             buckets["checkpoint_stall"] += stall
@@ -197,10 +211,8 @@ def account(records: Mapping[str, bytes | Sequence[dict[str, Any]]]) -> Goodput:
             goodput += seconds * kept / (s1 - s0)
             buckets["wasted_progress"] += seconds * (s1 - s0 - kept) / (s1 - s0)
             redone += s1 - s0 - kept
-        if index + 1 < len(attempts):
-            buckets["between_attempts"] += max(
-                0.0, attempts[index + 1].started_at - attempt.ended_at
-            )
+        if following is not None:
+            buckets["between_attempts"] += max(0.0, following.started_at - attempt.ended_at)
     wall = (max(a.ended_at for a in attempts) - attempts[0].started_at) if attempts else 0.0
     counted = goodput + sum(buckets.values())
     buckets["other"] = max(0.0, wall - counted)
@@ -227,16 +239,16 @@ def _read(records: Mapping[str, bytes | Sequence[dict[str, Any]]]) -> list[_Atte
     return sorted(attempts, key=lambda a: (a.started_at, a.id))
 
 
-def _startup_and_restore(attempt: _Attempt) -> tuple[float, float]:
+def _startup_and_restore(attempt: _Attempt, until: float) -> tuple[float, float]:
     """Process start to the restore's start, and the restore (the supervisor's search plus
     the trainer's own); an attempt that never got ready spent all of its time starting."""
     resolved = sum(_float(e.get("seconds")) for e in attempt.events if e.get("event") == "resolve")
     ready = attempt.ready()
     if ready is None:
-        total = max(attempt.ended_at - attempt.started_at, 0.0)
+        total = max(min(attempt.ended_at, until) - attempt.started_at, 0.0)
         return max(total - resolved, 0.0), min(resolved, total)
     restore = resolved + _float(ready.get("seconds"))
-    before = max(float(ready["t"]) - attempt.started_at, 0.0)
+    before = max(min(float(ready["t"]), until) - attempt.started_at, 0.0)
     restore = min(restore, before)
     return before - restore, restore
 

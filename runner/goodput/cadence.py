@@ -7,8 +7,9 @@ where
   (the same steps timed against those with no save in flight);
 - M is the mean time between failures *without* a final checkpoint, from the run's own
   attempt records: a preemption with notice loses nothing, so it does not count. With the
-  prior `--mtbf` as one pseudo-observation, M = (prior + hours run) / (1 + failures): the
-  prior alone at first, the run's own rate once it has seen some.
+  prior `--mtbf` as one pseudo-observation, M = (prior + seconds run) / (1 + failures): the
+  prior alone at first, the run's own rate more and more as it runs and fails
+  (seconds throughout).
 The interval is never shorter than one background save (a save would start while the last
 one is still persisting) and is re-evaluated at each checkpoint.
 """

@@ -49,11 +49,6 @@ def local_records(run_dir: Path) -> dict[str, bytes]:
     return found
 
 
-def put_record(storage: Storage, path: Path, key: str) -> None:
-    """The whole file at `key` (a record only grows, so the newest copy holds the rest)."""
-    storage.put_bytes(key, path.read_bytes())
-
-
 def pull_records(storage: Storage, run_dir: Path) -> int:
     """Records in the mirror that this run dir lacks (or holds shorter) copied down; how many.
     A new node's metrics and the measured cadence then count the whole run's history."""

@@ -5,10 +5,13 @@ the supervisor writes its `start`, `resolve` and `end`, the child appends the re
 file, named by RUNNER_ATTEMPT_ID). Events, each with "event" and "t" (UNIX time):
 
     start       host, pid, world_size (None when the writer cannot know it)
-    resolve     seconds   (the supervisor's search for the checkpoint, before the child starts)
+    resolve     seconds, step (the supervisor's search for the checkpoint to resume)
+    spawn       step      (the supervisor started the trainer)
     ready       seconds (the restore), step (resumed from; 0 from scratch), world_size
-    checkpoint  step, samples, reason, stall_seconds (the loop blocked), background_seconds,
-                steps_per_second (since the previous event with a step)
+    save        step, stall_seconds (the loop blocked), steps_per_second (since the previous
+                save or the restore), written on the loop when it goes on
+    checkpoint  step, samples, reason, background_seconds: the save committed (a background
+                one later, off the loop)
     progress    step      (at most every PROGRESS_SECONDS: what a SIGKILL would lose)
     stop        reason, notice (True: a signal or a cloud notice asked for the stop)
     end         exit_code, last_step
@@ -88,15 +91,15 @@ class AttemptLog:
         if not self.writes:
             return
         record = {"event": kind, "t": round(time.time() if t is None else t, 3), **fields}
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         try:
+            line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 os.write(fd, line)  # one write of a short line: appends do not interleave
             finally:
                 os.close(fd)
-        except OSError as exc:
+        except (OSError, TypeError, ValueError) as exc:
             self.failures += 1
             if self.failures == 1:
                 log.warning("attempt record %s: %s; goodput will miss events", self.path, exc)
@@ -108,32 +111,33 @@ class AttemptLog:
         self._last_point = (time.time(), step)
         self.event("ready", seconds=round(seconds, 3), step=step, world_size=world_size)
 
-    def checkpoint(
-        self,
-        *,
-        step: int,
-        samples: int,
-        reason: str,
-        stall_seconds: float | None,
-        background_seconds: float | None,
-    ) -> None:
+    def save(self, *, step: int, stall_seconds: float) -> None:
+        """The loop goes on after saving `step`, blocked `stall_seconds` by it."""
         now = time.time()
         rate = None
         if self._last_point is not None:
             t0, step0 = self._last_point
-            trained = now - t0 - (stall_seconds or 0.0)
+            trained = now - t0 - stall_seconds
             if trained > 0 and step > step0:
                 rate = round((step - step0) / trained, 4)
         self._last_point = (now, step)
         self.event(
-            "checkpoint",
+            "save",
             t=now,
+            step=step,
+            stall_seconds=_rounded(stall_seconds),
+            steps_per_second=rate,
+        )
+
+    def checkpoint(
+        self, *, step: int, samples: int, reason: str, background_seconds: float | None
+    ) -> None:
+        self.event(
+            "checkpoint",
             step=step,
             samples=samples,
             reason=reason,
-            stall_seconds=_rounded(stall_seconds),
             background_seconds=_rounded(background_seconds),
-            steps_per_second=rate,
         )
 
     def step(self, step: int) -> None:

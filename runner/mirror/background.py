@@ -81,6 +81,9 @@ class Mirror:
         self.last_error: str | None = None
         # small files copied up after each background upload (the attempt record): key -> path
         self._records: dict[str, Path] = {}
+        # one copy at a time, never one shorter than the last (a record only grows)
+        self._record_lock = threading.Lock()
+        self._record_sizes: dict[str, int] = {}
 
     # -- background uploads --------------------------------------------------------------
 
@@ -143,11 +146,21 @@ class Mirror:
             records = dict(self._records)
         for key, path in records.items():
             try:
-                self.storage.put_bytes(key, path.read_bytes())
-            except (OSError, RunnerError) as exc:  # counted; the next upload copies it again
+                self.put_record(key, path)
+            except Exception as exc:  # counted; the next upload copies it again
                 log.warning("mirror: could not copy %s: %s", key, exc)
                 if self.metrics is not None:
                     self.metrics.checkpoint_failed("attempts")
+
+    def put_record(self, key: str, path: Path) -> None:
+        """Copy the file at `path` to `key` now, unless a longer copy of it is there already
+        (the worker and an exit may both copy it: the newest bytes win)."""
+        with self._record_lock:
+            data = path.read_bytes()
+            if len(data) < self._record_sizes.get(key, 0):
+                return
+            self.storage.put_bytes(key, data)
+            self._record_sizes[key] = len(data)
 
     # -- the final checkpoint ------------------------------------------------------------
 

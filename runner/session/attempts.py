@@ -23,7 +23,6 @@ from runner.goodput.history import (
     in_background,
     local_records,
     pull_records,
-    put_record,
     within,
 )
 from runner.goodput.records import AttemptLog, new_attempt_id, process_started_at
@@ -68,6 +67,8 @@ class SessionAttempt:
         )
         self._step_began: float | None = None
         self._stall_since_step = 0.0
+        self._last_stall = 0.0
+        self._was_saving = False
         if self.cadence is not None:
             log.info(
                 "checkpoint interval %.1f s (auto, until the first checkpoint is measured: "
@@ -118,24 +119,25 @@ class SessionAttempt:
         """The seconds cadence `auto` chose (None without `auto`)."""
         return self.cadence.interval if self.cadence is not None else None
 
+    def saved(self, *, step: int, stall_seconds: float) -> None:
+        """On the loop, once a save let it go on (sync: committed; async: copied)."""
+        self.log.save(step=step, stall_seconds=stall_seconds)
+        self._stall_since_step += stall_seconds  # inside the next step's time: not the step's
+        self._last_stall = stall_seconds
+
     def committed(
         self,
         *,
         step: int,
         samples: int,
         reason: str,
-        stall_seconds: float | None,
+        seconds: float,
         background_seconds: float | None,
     ) -> None:
+        """The save of `step` committed (a background one on the saver's thread)."""
         self.log.checkpoint(
-            step=step,
-            samples=samples,
-            reason=reason,
-            stall_seconds=stall_seconds,
-            background_seconds=background_seconds,
+            step=step, samples=samples, reason=reason, background_seconds=background_seconds
         )
-        if not background_seconds:  # a sync save's stall lies inside the next step's time
-            self._stall_since_step += stall_seconds or 0.0
         result = self.update_metrics()
         if self.cadence is None or result is None or reason in ("final", "stop"):
             return
@@ -146,8 +148,10 @@ class SessionAttempt:
             for a in result.attempts
             if a.end == "failed" and not a.notice and a.attempt != self.log.attempt_id
         )
+        # sync: the loop waited for the whole save (committed before the loop went on)
+        stall = seconds if background_seconds is None else self._last_stall
         choice = self.cadence.checkpointed(
-            stall=stall_seconds or 0.0,
+            stall=stall,
             background=background_seconds,
             seconds_run=run,
             failures=failures,
@@ -158,16 +162,17 @@ class SessionAttempt:
 
     def step(self, step: int, *, saving: bool) -> None:
         """At each step boundary: the progress event, and for `auto` the step's loop time
-        (`saving`: a background save was in flight)."""
+        (busy when a background save was in flight at its start or its end)."""
         self.log.step(step)
         if self.cadence is None:
             return
         now = time.monotonic()
         if self._step_began is not None:
             took = now - self._step_began - self._stall_since_step
-            self.cadence.step(took, saving=saving)
+            self.cadence.step(took, saving=saving or self._was_saving)
         self._step_began = now
         self._stall_since_step = 0.0
+        self._was_saving = saving
 
     def stopped(self, reason: str | None) -> None:
         if not self._stopped:
@@ -185,11 +190,11 @@ class SessionAttempt:
         if mirror is None:
             return
         seconds = UPLOAD_SECONDS
-        if deadline is not None:
-            seconds = min(seconds, max(deadline - time.monotonic(), 0.0))
+        if deadline is not None:  # a second at least: a stop that used its grace still says so
+            seconds = min(seconds, max(deadline - time.monotonic(), 1.0))
         landed = within(
             seconds,
-            lambda: put_record(mirror.storage, self.log.path, self.log.key),
+            lambda: mirror.put_record(self.log.key, self.log.path),
             what=f"copying attempt record {self.log.key} to the mirror",
         )
         if not landed:

@@ -114,15 +114,11 @@ class Saves:
                 step=snapshot.step, duration_s=duration, size_bytes=committed.manifest.total_bytes
             )
         if self.attempt is not None:
-            # async: the loop waited for the copy only; sync, and a stop's or the end's save
-            # (the loop is over), for the whole save
-            waited = not self.background or snapshot.reason in ("final", "stop")
-            stall = duration if waited else snapshot.copy_seconds
             self.attempt.committed(
                 step=snapshot.step,
                 samples=committed.manifest.samples_seen,
                 reason=snapshot.reason,
-                stall_seconds=stall,
+                seconds=duration,
                 background_seconds=duration if self.background else None,
             )
         if self.rank.acts_as_primary:

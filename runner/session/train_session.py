@@ -405,8 +405,10 @@ class TrainSession:
         try:
             pending = self.checkpointer.save(self.state, reason=reason, extra=extra)
         finally:
-            if self.metrics is not None and self.last_stall_seconds is not None:
-                self.metrics.checkpoint_stalled(self.last_stall_seconds)
+            if self.last_stall_seconds is not None:
+                if self.metrics is not None:
+                    self.metrics.checkpoint_stalled(self.last_stall_seconds)
+                self.attempt.saved(step=self.step, stall_seconds=self.last_stall_seconds)
         return pending
 
     # -- the end ------------------------------------------------------------------------------

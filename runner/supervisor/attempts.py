@@ -16,7 +16,6 @@ from runner.goodput.history import (
     in_background,
     local_records,
     pull_records,
-    put_record,
     within,
 )
 from runner.goodput.records import AttemptLog, new_attempt_id
@@ -24,6 +23,7 @@ from runner.supervisor.ending import last_logged_step
 from runner.supervisor.hooks import MetricsHook, MirrorHook
 
 ENV_ATTEMPT_ID = "RUNNER_ATTEMPT_ID"
+REFRESH_SECONDS = 10.0
 
 
 class SupervisedAttempts:
@@ -37,6 +37,8 @@ class SupervisedAttempts:
         self._ended = True
         self._began_at = 0.0
         self._resolve: tuple[float, float, int] | None = None
+        self._refreshed = 0.0
+        self._refreshed_size = -1
 
     def pull_history(self) -> None:
         """A new node goes on counting the attempts before it: copied down in the background
@@ -108,14 +110,32 @@ class SupervisedAttempts:
         if mirror is None:
             return
         seconds = UPLOAD_SECONDS
-        if deadline is not None:
-            seconds = min(seconds, max(deadline - time.monotonic(), 0.0))
+        if deadline is not None:  # a second at least: a stop that used its grace still says so
+            seconds = min(seconds, max(deadline - time.monotonic(), 1.0))
         if not within(
             seconds,
-            lambda: put_record(mirror.storage, current.path, current.key),
+            lambda: mirror.put_record(current.key, current.path),
             what=f"copying attempt record {current.key} to the mirror",
         ):
             self._failed()
+
+    def refresh(self) -> None:
+        """While a trainer runs (each scan): the metrics again once its record grew, at most
+        every REFRESH_SECONDS (a runner child's metrics port is the supervisor's)."""
+        current = self.current
+        if current is None or self.metrics is None or self._ended:
+            return
+        now = time.monotonic()
+        if now - self._refreshed < REFRESH_SECONDS:
+            return
+        self._refreshed = now
+        try:
+            size = current.path.stat().st_size
+        except OSError:
+            return
+        if size != self._refreshed_size:
+            self._refreshed_size = size
+            self.update_metrics()
 
     def update_metrics(self) -> None:
         if self.metrics is None:

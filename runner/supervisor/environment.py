@@ -52,7 +52,7 @@ def child_env(
             "RUNNER_CKPT_EVERY_SECONDS",
             "auto" if config.ckpt_every_seconds_auto else config.ckpt_every_seconds,
         ),
-        ("RUNNER_MTBF", config.mtbf if config.ckpt_every_seconds_auto else None),
+        ("RUNNER_MTBF", config.mtbf),
         ("RUNNER_KEEP", config.keep),
         ("RUNNER_GRACE_SECONDS", config.grace_seconds),
         ("RUNNER_SEED", config.seed),

@@ -27,6 +27,8 @@ class MirrorHook(ResumeSource, Protocol):
 
     def attach_record(self, path: Path, key: str) -> None: ...
 
+    def put_record(self, key: str, path: Path) -> None: ...
+
 
 class MetricsHook(Protocol):
     """What the supervisor reports (runner.metrics.registry.RunnerMetrics fits)."""

@@ -256,7 +256,7 @@ class Supervisor:
         step = resume.step if resume is not None else None
         self.records.resolved(seconds=time.monotonic() - resolving, step=step)
         child, output = self._start(resume, launcher)
-        self.records.spawned(step=step)
+        self.records.spawned(step=step)  # the trainer's own events sort after it by time
         try:
             watched = watch(
                 child,
@@ -425,6 +425,7 @@ class Supervisor:
     def _scan(self) -> None:
         self._adopt(settled=False)
         self.commits.report_step()
+        self.records.refresh()
 
     def _adopt(self, *, settled: bool, follow: bool = True) -> None:
         """The trainer's seed files adopted and, with `follow`, the checkpoint dirs it

@@ -50,3 +50,21 @@ def test_mirror_benchmark_prints_every_ratio(tmp_path):
         "runner demo: SIGTERM to exit 75 with the final checkpoint in the bucket: ",
     ):
         assert line in out, out
+
+
+def test_goodput_benchmark_replays_a_trace_and_reports_each_cadence(tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(
+        '{"name": "tiny", "hours": 2, "mtbf_hours": 1, "source": "test",'
+        ' "events": [{"at_hours": 0.9, "kind": "kill"}, {"at_hours": 1.4, "kind": "notice"}]}'
+    )
+    out = _run(
+        "goodput.py", "--trace", str(trace), "--hour-seconds", "4", "--cadences", "2",
+        "--quick", "--dir", str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    assert "trace tiny: 2 h, 1 failures without notice, 1 with notice" in out, out
+    rows = [row for row in map(str.split, out.splitlines()) if row[1:2] and row[1].endswith("%")]
+    assert [row[0] for row in rows] == ["2", "auto"], out
+    assert "auto - best fixed (2 s): " in out, out
+    assert "one preemption with notice: SIGTERM to exit " in out, out
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"], "scratch files left behind"

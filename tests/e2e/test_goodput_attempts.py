@@ -84,7 +84,11 @@ def test_two_kills_and_a_preemption_are_accounted_from_the_bucket(
             trainer = _trainer_pid(first.proc.pid, not_in=seen)
             seen.add(trainer)
             _wait_logged(run_dir, kill_at, first)
-            os.kill(trainer, signal.SIGKILL)
+            try:
+                os.kill(trainer, signal.SIGKILL)
+            except ProcessLookupError:
+                ended = f"trainer {trainer} ended before its kill:\n{first.err}"
+                raise AssertionError(ended) from None
         seen.add(_trainer_pid(first.proc.pid, not_in=seen))
         _wait_logged(run_dir, 220, first)
         first.proc.send_signal(signal.SIGTERM)  # a preemption with notice: nothing lost

@@ -26,8 +26,10 @@ def _lines(*events: dict[str, object]) -> bytes:
 A = _lines(
     {"event": "start", "t": 0},
     {"event": "ready", "t": 10, "seconds": 2, "step": 0},
-    {"event": "checkpoint", "t": 30, "step": 10, "stall_seconds": 1},
-    {"event": "checkpoint", "t": 50, "step": 20, "stall_seconds": 0},
+    {"event": "save", "t": 30, "step": 10, "stall_seconds": 1},
+    {"event": "checkpoint", "t": 30.5, "step": 10, "background_seconds": 0.5},
+    {"event": "save", "t": 50, "step": 20, "stall_seconds": 0},
+    {"event": "checkpoint", "t": 51, "step": 20, "background_seconds": 1},
     {"event": "end", "t": 60, "exit_code": -9, "last_step": 25},
 )
 B = _lines(
@@ -36,13 +38,15 @@ B = _lines(
     {"event": "spawn", "t": 73, "step": 20},
     {"event": "ready", "t": 80, "seconds": 1, "step": 20},
     {"event": "stop", "t": 118, "reason": "SIGTERM", "notice": True},
-    {"event": "checkpoint", "t": 120, "step": 40, "stall_seconds": 2},
+    {"event": "save", "t": 120, "step": 40, "stall_seconds": 2},
+    {"event": "checkpoint", "t": 120, "step": 40},
     {"event": "end", "t": 125, "exit_code": 75, "last_step": 40},
 )
 C = _lines(
     {"event": "start", "t": 130},
     {"event": "ready", "t": 135, "seconds": 1, "step": 40},
-    {"event": "checkpoint", "t": 155, "step": 50, "stall_seconds": 0},
+    {"event": "save", "t": 155, "step": 50, "stall_seconds": 0},
+    {"event": "checkpoint", "t": 155, "step": 50},
     {"event": "end", "t": 155, "exit_code": 0, "last_step": 50},
 )
 
@@ -80,9 +84,31 @@ def test_an_attempt_that_left_no_end_counts_to_its_last_event_and_a_torn_line_is
     torn = A.rsplit(b"\n", 2)[0] + b'\n{"event": "end", "t": 6'  # the end torn by the kill
     result = account({"a": torn, "c": C})
     (first, _) = result.attempts
-    assert (first.exit_code, first.end, first.ended_at, first.last_step) == (None, "failed", 50, 20)
+    assert (first.exit_code, first.end, first.ended_at, first.last_step) == (None, "failed", 51, 20)
     # steps 1-20 survive (c resumed at 40 without retraining them)
     assert result.steps_redone == 0
+
+
+def test_overlapping_attempts_count_their_common_time_once() -> None:
+    # c's replacement starts at 150 while c still runs to 155: wall 155 - 130 + ...
+    d = _lines(
+        {"event": "start", "t": 150},
+        {"event": "ready", "t": 152, "seconds": 0, "step": 40},
+        {"event": "save", "t": 170, "step": 60, "stall_seconds": 0},
+        {"event": "end", "t": 170, "exit_code": 0, "last_step": 60},
+    )
+    result = account({"c": C, "d": d})
+    assert result.wall_seconds == 40
+    total = result.goodput_seconds + sum(result.badput_seconds.values())
+    assert total == pytest.approx(40)
+    assert result.steps_redone == 10  # c's steps 41-50, trained again by d
+
+
+def test_a_last_attempt_that_failed_loses_its_steps_past_its_newest_checkpoint() -> None:
+    result = account({"a": A})  # killed at step 25, newest checkpoint 20, no attempt after
+    assert result.steps_redone == 5
+    assert result.badput_seconds["wasted_progress"] == pytest.approx(10)
+    assert result.goodput_seconds == pytest.approx(19 + 20)
 
 
 def test_records_are_pulled_from_a_mirror_and_counted_in_the_metrics(tmp_path: Path) -> None:
@@ -111,5 +137,5 @@ def test_a_failed_append_is_counted_and_never_raises(tmp_path: Path) -> None:
     failures: list[int] = []
     log = AttemptLog(tmp_path, "x", on_failure=lambda: failures.append(1))
     log.event("start")
-    log.checkpoint(step=1, samples=1, reason="steps", stall_seconds=0.1, background_seconds=None)
+    log.save(step=1, stall_seconds=0.1)
     assert len(failures) == 2 and log.failures == 2
