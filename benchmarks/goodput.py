@@ -160,7 +160,7 @@ def main() -> None:
     try:
         cadences = [c.strip() for c in args.cadences.split(",") if c.strip()] + ["auto"]
         runs = [replay(trace, c, hour=args.hour_seconds, work=work) for c in cadences]
-        ours = preemption(work, train_seconds=4.0 if args.quick else 10.0)
+        ours = preemption(work, train_seconds=3.0 if args.quick else 10.0)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -113,7 +113,11 @@ FRAMEWORKS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(FRAMEWORKS))
+# Lightning's own checkpoints (one step=N.ckpt file each) take the same adopt path as
+# nanoGPT's ckpt-N.pt (tests/supervisor/test_supervisor_adopt_files.py), and the Lightning
+# callback's spot-step=N.ckpt crosses the bucket in tests/e2e/test_framework_callbacks.py:
+# CI runs the directory case only (the "lightning" entry stays for a run by hand, -k).
+@pytest.mark.parametrize("name", ["hf"])
 def test_a_framework_resumes_from_the_bucket_bit_exactly(
     name: str, tmp_path: Path, s3_bucket: str
 ) -> None:

@@ -1,4 +1,4 @@
-"""SIGKILL trainers whose checkpoints are written in the background, at random instants, 100+
+"""SIGKILL trainers whose checkpoints are written in the background, at random instants, 60
 times, on one run dir: each next trainer resumes what the killed one left.
 
 The trainers are real processes forked from a zygote that imported torch and runner once
@@ -50,7 +50,7 @@ from tests.fixtures.async_saves import (
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
 
 REPO = Path(__file__).resolve().parents[2]
-TRIALS = 100
+TRIALS = 60
 
 SEED = int(os.environ.get("ASYNC_KILL_SEED", "1313"))
 KILL_WINDOW_S = 0.2  # after the trainer restored: a kill lands in the middle of its saves
@@ -191,7 +191,7 @@ def kill_trainers(run_dir: Path, work_dir: Path) -> None:
         f"its staging dir), newest step {newest}, "
         f"{len(newest_fp)} distinct newest checkpoints checked, {elapsed:.1f} s"
     )
-    assert cut_saves >= 30, f"only {cut_saves} of {TRIALS} kills landed during a background save"
-    # 18 and 19 of 100 were seen on a fresh CI machine: the floor guards that the write path
-    # is hit at all, not a rate
-    assert cut_writes >= 10, f"only {cut_writes} of {TRIALS} kills cut a checkpoint's write"
+    assert cut_saves >= 18, f"only {cut_saves} of {TRIALS} kills landed during a background save"
+    # 18 and 19 of 100 were seen on a fresh CI machine (~11 of 60): the floor guards that the
+    # write path is hit at all, not a rate
+    assert cut_writes >= 6, f"only {cut_writes} of {TRIALS} kills cut a checkpoint's write"

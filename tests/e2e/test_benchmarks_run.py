@@ -59,7 +59,7 @@ def test_goodput_benchmark_replays_a_trace_and_reports_each_cadence(tmp_path):
         ' "events": [{"at_hours": 0.9, "kind": "kill"}, {"at_hours": 1.4, "kind": "notice"}]}'
     )
     out = _run(
-        "goodput.py", "--trace", str(trace), "--hour-seconds", "4", "--cadences", "2",
+        "goodput.py", "--trace", str(trace), "--hour-seconds", "3", "--cadences", "2",
         "--quick", "--dir", str(tmp_path), cwd=tmp_path,
     )  # fmt: skip
     assert "trace tiny: 2 h, 1 failures without notice, 1 with notice" in out, out
