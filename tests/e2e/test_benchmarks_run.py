@@ -5,6 +5,7 @@ print every ratio the README quotes, not how fast anything is."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,12 @@ def test_goodput_benchmark_replays_a_trace_and_reports_each_cadence(tmp_path):
     assert "auto - best fixed (2 s): " in out, out
     assert "one preemption with notice: SIGTERM to exit " in out, out
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"], "scratch files left behind"
+
+
+def test_resume_benchmark_times_both_resumes_and_reports_the_ratio(tmp_path):
+    out = _run("resume.py", "--params", "200000", "--rounds", "1", "--dir", str(tmp_path),
+               cwd=tmp_path)  # fmt: skip
+    assert "state: 20" in out and "SeaweedFS at http://127.0.0.1:" in out, out
+    assert re.search(r"^round 1: plain \d+\.\d\d s, runner \d+\.\d\d s, ratio ", out, re.M), out
+    assert "resume from the bucket: runner / plain " in out, out
+    assert list(tmp_path.iterdir()) == [], "scratch files left behind"
