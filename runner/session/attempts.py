@@ -19,11 +19,10 @@ from runner.config import RunConfig
 from runner.goodput.account import Goodput, account
 from runner.goodput.cadence import FIRST_COST_SECONDS, AutoCadence
 from runner.goodput.history import (
-    UPLOAD_SECONDS,
+    copy_at_exit,
     in_background,
     local_records,
     pull_records,
-    within,
 )
 from runner.goodput.records import AttemptLog, new_attempt_id, process_started_at
 from runner.metrics.registry import RunnerMetrics
@@ -189,13 +188,9 @@ class SessionAttempt:
         mirror = self.mirror
         if mirror is None:
             return
-        seconds = UPLOAD_SECONDS
-        if deadline is not None:  # a second at least: a stop that used its grace still says so
-            seconds = min(seconds, max(deadline - time.monotonic(), 1.0))
-        landed = within(
-            seconds,
-            lambda: mirror.put_record(self.log.key, self.log.path),
-            what=f"copying attempt record {self.log.key} to the mirror",
+        record = self.log
+        landed = copy_at_exit(
+            lambda: mirror.put_record(record.key, record.path), key=record.key, deadline=deadline
         )
         if not landed:
             self._failed()

@@ -12,11 +12,10 @@ from pathlib import Path
 
 from runner.goodput.account import account
 from runner.goodput.history import (
-    UPLOAD_SECONDS,
+    copy_at_exit,
     in_background,
     local_records,
     pull_records,
-    within,
 )
 from runner.goodput.records import AttemptLog, new_attempt_id
 from runner.supervisor.ending import last_logged_step
@@ -109,13 +108,10 @@ class SupervisedAttempts:
         mirror = self.mirror
         if mirror is None:
             return
-        seconds = UPLOAD_SECONDS
-        if deadline is not None:  # a second at least: a stop that used its grace still says so
-            seconds = min(seconds, max(deadline - time.monotonic(), 1.0))
-        if not within(
-            seconds,
+        if not copy_at_exit(
             lambda: mirror.put_record(current.key, current.path),
-            what=f"copying attempt record {current.key} to the mirror",
+            key=current.key,
+            deadline=deadline,
         ):
             self._failed()
 
