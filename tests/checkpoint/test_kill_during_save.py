@@ -31,7 +31,7 @@ from runner.checkpoint.load import load_state
 from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
 
-TRIALS = 120
+TRIALS = 80
 KEEP = 3
 FLOATS = 96 * 1024  # ~0.8 MB per checkpoint: long enough that kills land mid-write
 
