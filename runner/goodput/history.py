@@ -82,14 +82,19 @@ def in_background(work: Callable[[], object], *, what: str) -> None:
     threading.Thread(target=run, name="attempt-records", daemon=True).start()
 
 
-def copy_at_exit(put: Callable[[], object], *, key: str, deadline: float | None) -> bool:
-    """An attempt's record copied up at its end by `put()`, waited for what is left of the
-    stop's `deadline` (time.monotonic), at most UPLOAD_SECONDS and at least a second (a stop
-    that used its grace still says so); False when it failed or is still running."""
+def copy_at_exit(
+    put_record: Callable[[str, Path], object], key: str, path: Path, *, deadline: float | None
+) -> bool:
+    """An attempt's record (`key`, its local `path`) copied up at its end by `put_record`,
+    waited for what is left of the stop's `deadline` (time.monotonic), at most
+    UPLOAD_SECONDS and at least a second (a stop that used its grace still says so); False
+    when it failed or is still running."""
     seconds = UPLOAD_SECONDS
     if deadline is not None:
         seconds = min(seconds, max(deadline - time.monotonic(), 1.0))
-    return within(seconds, put, what=f"copying attempt record {key} to the mirror")
+    return within(
+        seconds, lambda: put_record(key, path), what=f"copying attempt record {key} to the mirror"
+    )
 
 
 def within(seconds: float, work: Callable[[], object], *, what: str) -> bool:

@@ -188,11 +188,7 @@ class SessionAttempt:
         mirror = self.mirror
         if mirror is None:
             return
-        record = self.log
-        landed = copy_at_exit(
-            lambda: mirror.put_record(record.key, record.path), key=record.key, deadline=deadline
-        )
-        if not landed:
+        if not copy_at_exit(mirror.put_record, self.log.key, self.log.path, deadline=deadline):
             self._failed()
 
     def update_metrics(self) -> Goodput | None:

@@ -108,11 +108,7 @@ class SupervisedAttempts:
         mirror = self.mirror
         if mirror is None:
             return
-        if not copy_at_exit(
-            lambda: mirror.put_record(current.key, current.path),
-            key=current.key,
-            deadline=deadline,
-        ):
+        if not copy_at_exit(mirror.put_record, current.key, current.path, deadline=deadline):
             self._failed()
 
     def refresh(self) -> None:
