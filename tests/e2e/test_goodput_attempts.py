@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,19 +27,18 @@ STEPS = 400
 BADPUT = {"startup", "restore", "checkpoint_stall", "wasted_progress", "between_attempts", "other"}
 
 
-def _trainer_pid(supervisor: int, *, not_in: set[int], timeout: float = 60) -> int:
-    """The supervisor's child (the trainer) once it is a new process, not one in `not_in`."""
+def _trainer_pid(proc: Supervised, attempt: int, timeout: float = 60) -> int:
+    """The trainer of `attempt`, as the supervisor logs it: its other children (short-lived
+    helpers some libraries spawn) are never mistaken for the trainer."""
+    pattern = re.compile(rf"started trainer pid (\d+) \(attempt {attempt}\)")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
-        except FileNotFoundError:
-            children = []
-        fresh = [int(c) for c in children if int(c) not in not_in]
-        if fresh:
-            return fresh[0]
+        for line in list(proc.stderr):
+            if m := pattern.search(line):
+                return int(m.group(1))
+        assert proc.proc.poll() is None, proc.err
         time.sleep(0.02)
-    raise AssertionError("the supervisor started no new trainer")
+    raise AssertionError(f"the supervisor started no attempt {attempt}:\n{proc.err}")
 
 
 def _wait_logged(run_dir: Path, step: int, proc: Supervised, timeout: float = 120) -> None:
@@ -79,17 +79,15 @@ def test_two_kills_and_a_preemption_are_accounted_from_the_bucket(
     ]  # fmt: skip
     first = Supervised(args)
     try:
-        seen: set[int] = set()
-        for kill_at in (60, 140):  # a kill without notice: steps past the checkpoint are lost
-            trainer = _trainer_pid(first.proc.pid, not_in=seen)
-            seen.add(trainer)
+        for attempt, kill_at in ((1, 60), (2, 140)):  # no notice: steps since the save are lost
+            trainer = _trainer_pid(first, attempt)
             _wait_logged(run_dir, kill_at, first)
             try:
                 os.kill(trainer, signal.SIGKILL)
             except ProcessLookupError:
                 ended = f"trainer {trainer} ended before its kill:\n{first.err}"
                 raise AssertionError(ended) from None
-        seen.add(_trainer_pid(first.proc.pid, not_in=seen))
+        _trainer_pid(first, 3)
         _wait_logged(run_dir, 220, first)
         first.proc.send_signal(signal.SIGTERM)  # a preemption with notice: nothing lost
         assert first.proc.wait(timeout=120) == 75, first.err
