@@ -4,8 +4,9 @@ A model of N parameters with AdamW (default 120M: weights + m + v, ~1.44 GB, the
 ANDREA-120M) trains one step, is checkpointed by a TrainSession and uploaded to a local
 SeaweedFS. Then, in each round, side by side (the order alternates between rounds):
 
-  plain   boto3 `download_file` of the checkpoint's state.pt (default TransferConfig) into an
-          empty directory, `torch.load(weights_only=True)`, one training step
+  plain   a new boto3 session's client (a resumed process has none), `download_file` of the
+          checkpoint's state.pt (default TransferConfig) into an empty directory,
+          `torch.load(weights_only=True)`, one training step
   runner  a TrainSession on an empty run dir with the bucket as its mirror: `restore()`
           (newest checkpoint found, downloaded, fsynced, every byte sha256-verified, counters
           checked, state loaded into the model and optimizer), one training step
@@ -44,7 +45,7 @@ from runner.config import RunConfig  # noqa: E402
 from runner.mirror import upload_checkpoint  # noqa: E402
 from runner.session.train_session import TrainSession  # noqa: E402
 from runner.storage.s3 import S3Storage  # noqa: E402
-from tests.fixtures.s3 import start_seaweedfs  # noqa: E402
+from tests.fixtures.s3 import SeaweedS3, start_seaweedfs  # noqa: E402
 
 PREFIX = "resume-bench"
 
@@ -67,11 +68,14 @@ def runner_resume(bench: Bench, run_dir: Path, mirror: str) -> float:
         session.close()  # no final checkpoint: not part of the resume
 
 
-def plain_resume(bench: Bench, client: object, bucket: str, key: str, scratch: Path) -> float:
-    """Seconds for boto3 download_file + torch.load + one step (no verification)."""
+def plain_resume(bench: Bench, server: SeaweedS3, bucket: str, key: str, scratch: Path) -> float:
+    """Seconds for a new boto3 session's client + download_file + torch.load + one step (no
+    verification): the client is timed because a resumed process starts without one, as the
+    runner's TrainSession does."""
     scratch.mkdir(parents=True)
     started = time.perf_counter()
-    client.download_file(bucket, key, str(scratch / "state.pt"))  # type: ignore[attr-defined]
+    client = server.client()  # a new boto3 Session, as a new process has
+    client.download_file(bucket, key, str(scratch / "state.pt"))
     state = torch.load(scratch / "state.pt", weights_only=True, map_location="cpu")
     bench.step()
     elapsed = time.perf_counter() - started
@@ -126,7 +130,7 @@ def main() -> None:
             for name in ("plain", "runner") if round_no % 2 == 0 else ("runner", "plain"):
                 where = work / f"{name}-{round_no}"
                 if name == "plain":
-                    one[name] = plain_resume(bench, client, bucket, key, where)
+                    one[name] = plain_resume(bench, server, bucket, key, where)
                 else:
                     one[name] = runner_resume(bench, where, mirror)
                 shutil.rmtree(where, ignore_errors=True)

@@ -210,3 +210,38 @@ def test_s3_tests_fail_rather_than_skip_without_the_server(tmp_path: Path) -> No
     assert result.returncode == 1, result.stdout
     assert "`weed` not found" in result.stdout
     assert "1 error" in result.stdout and "skipped" not in result.stdout
+
+
+def _damaged(data: bytes, how: str) -> bytes:
+    part = 5 * MiB  # SMALL_PARTS: the S3 download fetches these ranges concurrently
+    if how == "corrupt-chunk":
+        at = part + 3
+        return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+    if how == "truncated":
+        return data[:-1]
+    assert how == "swapped-parts"
+    return data[part : 2 * part] + data[:part] + data[2 * part :]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["corrupt-chunk", "truncated", "swapped-parts"])
+def test_a_damaged_object_is_refused_and_leaves_nothing(
+    storage: Storage, tmp_path: Path, how: str
+) -> None:
+    """The stored bytes differ from what the manifest promised: get_file raises
+    IntegrityError (truncation named as such) and no file is left, temp or final."""
+    data = os.urandom(11 * MiB + 7)
+    src = tmp_path / "src.bin"
+    src.write_bytes(_damaged(data, how))
+    storage.put_file("checkpoints/step_000001/state.pt", src)
+    out = tmp_path / "out"
+    out.mkdir()
+    expect = "truncated" if how == "truncated" else "sha256 differs"
+    with pytest.raises(IntegrityError, match=expect):
+        storage.get_file(
+            "checkpoints/step_000001/state.pt",
+            out / "state.pt",
+            sha256=hashlib.sha256(data).hexdigest(),
+            size=len(data),
+        )
+    assert list(out.iterdir()) == []
