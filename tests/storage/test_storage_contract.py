@@ -213,7 +213,7 @@ def test_s3_tests_fail_rather_than_skip_without_the_server(tmp_path: Path) -> No
 
 
 def _damaged(data: bytes, how: str) -> bytes:
-    part = 5 * MiB  # SMALL_PARTS: the S3 download fetches these ranges concurrently
+    part = SMALL_PARTS.part_size  # the ranges the S3 download fetches concurrently
     if how == "corrupt-chunk":
         at = part + 3
         return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
