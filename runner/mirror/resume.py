@@ -31,6 +31,7 @@ from runner.checkpoint.layout import (
     step_dir_name,
 )
 from runner.checkpoint.listing import list_checkpoints, read_manifest_dir
+from runner.checkpoint.load import read_beside_verify
 from runner.checkpoint.manifest import Manifest
 from runner.checkpoint.newest import newest_first, read_manifests
 from runner.checkpoint.resume_point import Refusal, ResumePoint
@@ -195,10 +196,7 @@ def _try_local(
     load: LoadFn | None,
     refuse: Callable[[Refusal], None],
 ) -> ResumePoint[Any] | None:
-    try:
-        # the local-directory check: symlinks refused, files hashed in parallel
-        manifest = verify_dir(step_dir)
-    except RunnerError as exc:
+    def refused(exc: RunnerError) -> None:
         refuse(
             Refusal(
                 step=step,
@@ -207,11 +205,22 @@ def _try_local(
                 local_path=step_dir,
             )
         )
-        return None
-    if load is None:
-        return _point(step_dir, manifest, loaded=None)
+
     try:
-        loaded = load(step_dir, manifest)
+        # the local-directory check: symlinks refused, files hashed in parallel; the load
+        # (its own path and size checks first) deserialises beside the hashing, and what it
+        # read is used only if every byte verified
+        listed = read_manifest_dir(step_dir)
+        if load is None:
+            return _point(step_dir, verify_dir(step_dir, manifest=listed), loaded=None)
+        manifest, loading = read_beside_verify(
+            lambda: verify_dir(step_dir, manifest=listed), lambda: load(step_dir, listed)
+        )
+    except RunnerError as exc:
+        refused(exc)
+        return None
+    try:
+        loaded = loading.result()
     except RunnerError as exc:
         # it verified: the bytes are what was written, this runner just cannot use them
         refuse(
