@@ -160,7 +160,7 @@ def resolve_resume(
     fresh_start: bool = False,
 ) -> Path | None:
     """The local directory of the checkpoint `choose_resume` picks (verified, not loaded).
-    It was hashed moments ago: `load_state(..., verified=True)` may skip the second pass."""
+    It was hashed moments ago: `load_state(..., verified=True)` skips a second pass."""
     point = choose_resume(
         run_dir, mirror, on_skip=on_skip, progress=progress, fresh_start=fresh_start
     )
