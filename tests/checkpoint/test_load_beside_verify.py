@@ -35,9 +35,7 @@ def _pickle_offset(path: Path) -> int:
 def _largest_record(path: Path) -> tuple[int, int]:
     """(offset, size) of the largest tensor record in the state file."""
     with zipfile.ZipFile(path) as z:
-        info = max(
-            (i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size
-        )
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
     with open(path, "rb") as f:
         f.seek(info.header_offset + 26)
         name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
