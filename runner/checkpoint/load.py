@@ -46,6 +46,7 @@ def read_beside_verify(
             manifest = verify()
         except BaseException:
             reading.exception()  # wait: nothing it read outlives a failed verification
+            del reading  # the error's traceback keeps this frame, not the state it read
             raise
         reading.exception()
     return manifest, reading

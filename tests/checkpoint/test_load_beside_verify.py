@@ -5,8 +5,10 @@ could read the damaged bytes or not; a checkpoint written before this change sti
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -140,3 +142,26 @@ def test_a_failed_verification_waits_for_the_read_and_drops_what_it_read() -> No
     with pytest.raises(IntegrityError, match="sha256 mismatch"):
         read_beside_verify(verify, read)
     assert finished.is_set()  # nothing it read is still being filled in after the refusal
+
+
+def test_what_a_refused_read_produced_is_not_kept_alive_by_the_error() -> None:
+    class State:
+        pass
+
+    produced: list[weakref.ref[State]] = []
+
+    def read() -> State:
+        state = State()
+        produced.append(weakref.ref(state))
+        return state
+
+    def verify() -> Manifest:
+        raise IntegrityError("x: sha256 mismatch (the file is corrupt)")
+
+    try:
+        read_beside_verify(verify, read)
+    except IntegrityError as exc:
+        kept = exc  # the caller holds the error (and its traceback), as a refusal may
+    gc.collect()
+    assert kept.__traceback__ is not None
+    assert produced[0]() is None  # the state the worker read is gone with it
