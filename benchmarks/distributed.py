@@ -49,6 +49,7 @@ Takes about two minutes a section on 2 cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -525,16 +526,16 @@ def upload_worker(args: argparse.Namespace) -> Results:
 def upload_run(name: str, args: argparse.Namespace, options: list[str]) -> dict[int, Results]:
     """A SeaweedFS of its own (a file:// bucket when it cannot start), one launch of
     --upload-ranks ranks."""
-    from tests.fixtures.s3 import start_seaweedfs
+    from tests.fixtures.s3 import bench_s3
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-upload-", dir=args.dir))
-    running = None
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         try:
-            running = start_seaweedfs(scratch / "seaweedfs")
-            env = running.server.env()
-            uri = f"s3://{running.server.create_bucket()}/bench"
-            target = f"SeaweedFS at {running.server.endpoint} (same machine)"
+            server = stack.enter_context(bench_s3(scratch / "seaweedfs"))
+            env = server.env()
+            uri = f"s3://{server.create_bucket()}/bench"
+            target = f"S3 at {server.endpoint}"
         except RuntimeError as exc:
             print(
                 f"upload: SeaweedFS did not start ({exc}); using a file:// bucket", file=sys.stderr
@@ -543,10 +544,6 @@ def upload_run(name: str, args: argparse.Namespace, options: list[str]) -> dict[
             target = "a file:// bucket on the local disk: SeaweedFS did not start"
         res = launch(name, args.upload_ranks, [*options, "--storage-uri", uri], env=env)
         return {args.upload_ranks: {**res, "target": target}}
-    finally:
-        if running is not None:
-            running.stop()
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def upload_report(by_world: dict[int, Results]) -> list[str]:

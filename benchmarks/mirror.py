@@ -23,6 +23,7 @@ Ratios > 1 mean the runner is faster than boto3's default (throughput ratio).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
@@ -47,7 +48,7 @@ from runner.checkpoint.writer import (  # noqa: E402
 )
 from runner.mirror import Mirror, download_checkpoint, upload_checkpoint  # noqa: E402
 from runner.storage.s3 import S3Storage  # noqa: E402
-from tests.fixtures.s3 import SeaweedS3, start_seaweedfs  # noqa: E402
+from tests.fixtures.s3 import SeaweedS3, bench_s3  # noqa: E402
 
 MB = 1_000_000
 
@@ -129,17 +130,17 @@ def main() -> None:
     size = args.size_mb * MB
 
     workdir = Path(tempfile.mkdtemp(prefix="mirror-bench-", dir=args.dir))
-    running = start_seaweedfs(workdir / "seaweedfs")
-    try:
-        os.environ.update(running.server.env())  # the runner reads the standard AWS chain
-        server = running.server
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        server = stack.enter_context(bench_s3(workdir / "seaweedfs"))
+        os.environ.update(server.env())  # the runner reads the standard AWS chain
         bucket = server.create_bucket()
         storage = S3Storage.from_uri(f"s3://{bucket}/runner")
         client = server.client()
         ckpt = make_checkpoint(workdir / "run", size)
         step_dir = ckpt.path
         payload = step_dir / "state.bin"
-        print(f"checkpoint: {size / MB:.0f} MB, SeaweedFS at {server.endpoint}")
+        print(f"checkpoint: {size / MB:.0f} MB, S3 at {server.endpoint}")
         print(f"runner settings: {storage.settings}")
 
         results: dict[str, list[float]] = {
@@ -208,9 +209,6 @@ def main() -> None:
                 f"runner demo: SIGTERM to exit 75 with the final checkpoint in the bucket: "
                 f"{demo:.2f}s"
             )
-    finally:
-        running.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

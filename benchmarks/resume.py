@@ -22,6 +22,7 @@ Ratio > 1: the runner takes longer than the plain baseline (time ratio; the goal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -45,7 +46,7 @@ from runner.config import RunConfig  # noqa: E402
 from runner.mirror import upload_checkpoint  # noqa: E402
 from runner.session.train_session import TrainSession  # noqa: E402
 from runner.storage.s3 import S3Storage  # noqa: E402
-from tests.fixtures.s3 import SeaweedS3, start_seaweedfs  # noqa: E402
+from tests.fixtures.s3 import SeaweedS3, bench_s3  # noqa: E402
 
 PREFIX = "resume-bench"
 
@@ -97,9 +98,9 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="resume-bench-", dir=args.dir))
-    running = start_seaweedfs(work / "seaweedfs")
-    try:
-        server = running.server
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, ignore_errors=True)
+        server = stack.enter_context(bench_s3(work / "seaweedfs"))
         os.environ.update(server.env())  # the runner reads the standard AWS chain
         bucket = server.create_bucket()
         mirror = f"s3://{bucket}/{PREFIX}"
@@ -120,7 +121,7 @@ def main() -> None:
         key = max(sizes, key=sizes.__getitem__)
         print(
             f"state: {bench.params:,} parameters, checkpoint {sizes[key] / 1e9:.2f} GB "
-            f"({key.rsplit('/', 1)[-1]}), SeaweedFS at {server.endpoint}"
+            f"({key.rsplit('/', 1)[-1]}), S3 at {server.endpoint}"
         )
 
         times: dict[str, list[float]] = {"plain": [], "runner": []}
@@ -156,9 +157,6 @@ def main() -> None:
             pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(30)
             print("\nprofile of one runner resume (cumulative):")
             print(out.getvalue())
-    finally:
-        running.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
