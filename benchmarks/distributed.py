@@ -524,8 +524,8 @@ def upload_worker(args: argparse.Namespace) -> Results:
 
 
 def upload_run(name: str, args: argparse.Namespace, options: list[str]) -> dict[int, Results]:
-    """A SeaweedFS of its own (a file:// bucket when it cannot start), one launch of
-    --upload-ranks ranks."""
+    """The S3 store of BENCH_S3_ENDPOINT or a SeaweedFS of its own (a file:// bucket when it
+    cannot start), one launch of --upload-ranks ranks."""
     from tests.fixtures.s3 import bench_s3
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-upload-", dir=args.dir))

@@ -196,7 +196,17 @@ def _try_local(
     load: LoadFn | None,
     refuse: Callable[[Refusal], None],
 ) -> ResumePoint[Any] | None:
-    def refused(exc: RunnerError) -> None:
+    try:
+        # the local-directory check: symlinks refused, files hashed in parallel; the load
+        # (its own path and size checks first) deserialises beside the hashing, and what it
+        # read is used only if every byte verified
+        if load is None:
+            return _point(step_dir, verify_dir(step_dir), loaded=None)
+        listed = read_manifest_dir(step_dir)
+        manifest, loading = read_beside_verify(
+            lambda: verify_dir(step_dir, manifest=listed), lambda: load(step_dir, listed)
+        )
+    except RunnerError as exc:
         refuse(
             Refusal(
                 step=step,
@@ -205,19 +215,6 @@ def _try_local(
                 local_path=step_dir,
             )
         )
-
-    try:
-        # the local-directory check: symlinks refused, files hashed in parallel; the load
-        # (its own path and size checks first) deserialises beside the hashing, and what it
-        # read is used only if every byte verified
-        listed = read_manifest_dir(step_dir)
-        if load is None:
-            return _point(step_dir, verify_dir(step_dir, manifest=listed), loaded=None)
-        manifest, loading = read_beside_verify(
-            lambda: verify_dir(step_dir, manifest=listed), lambda: load(step_dir, listed)
-        )
-    except RunnerError as exc:
-        refused(exc)
         return None
     try:
         loaded = loading.result()

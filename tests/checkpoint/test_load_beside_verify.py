@@ -24,24 +24,26 @@ from runner.session.checkpointer import Checkpointer
 from tests.fixtures.ckpt import SaveCheckpoint, save_checkpoint  # noqa: F401
 
 
-def _pickle_offset(path: Path) -> int:
-    """Where the state's pickle (torch's `*/data.pkl`, stored uncompressed) begins."""
-    with zipfile.ZipFile(path) as z:
-        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+def _record_offset(path: Path, info: zipfile.ZipInfo) -> int:
+    """Where a stored (uncompressed) zip record's bytes begin: past its local header."""
     with open(path, "rb") as f:
         f.seek(info.header_offset + 26)
         name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
     return info.header_offset + 30 + name_len + extra_len
 
 
+def _pickle_offset(path: Path) -> int:
+    """Where the state's pickle (torch's `*/data.pkl`, stored uncompressed) begins."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    return _record_offset(path, info)
+
+
 def _largest_record(path: Path) -> tuple[int, int]:
     """(offset, size) of the largest tensor record in the state file."""
     with zipfile.ZipFile(path) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
-    return info.header_offset + 30 + name_len + extra_len, info.file_size
+    return _record_offset(path, info), info.file_size
 
 
 def _flip(path: Path, offset: int) -> None:
