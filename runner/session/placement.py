@@ -35,6 +35,7 @@ from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter, Committed
 from runner.collective.group import SINGLE, Group
 from runner.config import RunConfig
 from runner.errors import ConfigError, IntegrityError, RunnerError, SchemaError
+from runner.preemption.exiting import end_without_teardown
 from runner.preemption.policy import SavePolicy
 from runner.preemption.startup import run_interruptible
 from runner.preemption.stop import StopController
@@ -385,6 +386,10 @@ def ranks_group(rank: RankContext, config: RunConfig) -> Group:
             f"environment says {rank.rank} of {rank.world_size}: initialise the process group "
             "from the launcher's environment (init_process_group() under torchrun)"
         )
+    # this group's gloo threads outlive the process group: a framework's trainer that ends
+    # through exit_process must skip the interpreter's teardown, as the demo does, or a rank
+    # that finished can abort (SIGABRT) after its exit code was decided
+    end_without_teardown()
     return group
 
 
