@@ -13,7 +13,20 @@ pytest_plugins = sorted(
 )
 
 
+# The tests that build or run images share one Docker engine and its image tags: under
+# pytest-xdist they run on one worker, one after another (tests/fixtures/docker.py).
+DOCKER_FIXTURES = frozenset(
+    {"docker_engine", "docker_base_image", "docker_pep668_base_image", "runner_image",
+     "runner_image_venv_base"}
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith("tests/e2e/") or item.get_closest_marker("e2e") is not None:
             item.add_marker(pytest.mark.slow)
+        # `-n N` (README) hands whole groups to a worker (--dist loadgroup): a module's tests
+        # stay together with its module-scoped fixtures; Docker's all go to one worker
+        docker = not DOCKER_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+        group = "docker" if docker else item.nodeid.partition("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
