@@ -21,6 +21,8 @@ DOCKER_FIXTURES = frozenset(
 )  # fmt: skip
 
 
+# first: pytest-xdist's worker reads the groups in its own hook of the same name
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith("tests/e2e/") or item.get_closest_marker("e2e") is not None:
