@@ -57,14 +57,13 @@ def _client(session: boto3.session.Session, settings: TransferSettings) -> Any:
     # request, a second pass over each uploaded byte after the SHA-256 checksum it already
     # computes for the checksum header. That header is signed and the store checks the body
     # against it (a body changed in flight is refused: tests/storage/test_s3_unsigned_payload).
-    s3_options: dict[str, Any] = {"payload_signing_enabled": False}
     config = Config(
         # total_max_attempts counts the first try; botocore's max_attempts would not
         retries={"mode": "standard", "total_max_attempts": s.request_attempts},
         connect_timeout=s.connect_timeout_s,
         read_timeout=s.read_timeout_s,
         max_pool_connections=max(10, 2 * s.concurrency),
-        s3=s3_options,
+        s3={"payload_signing_enabled": False},
     )
     client = session.client("s3", config=config)
     endpoint: str = client.meta.endpoint_url
@@ -81,7 +80,9 @@ def _client(session: boto3.session.Session, settings: TransferSettings) -> Any:
     if not _is_aws_endpoint(endpoint):
         # Self-hosted stores rarely resolve bucket.host names.
         # (merge replaces the whole s3 dict: it carries the options above too)
-        config = config.merge(Config(s3={**s3_options, "addressing_style": "path"}))
+        config = config.merge(
+            Config(s3={"payload_signing_enabled": False, "addressing_style": "path"})
+        )
     if endpoint_url is not None or not _is_aws_endpoint(endpoint):
         client = session.client("s3", config=config, endpoint_url=endpoint_url)
     return client
