@@ -54,6 +54,7 @@ from runner.storage.s3_client import make_client, parse_s3_uri
 from runner.storage.s3_errors import ClassifiedStream, classify, client_config_error, error_code
 from runner.storage.s3_managers import Transfers
 from runner.storage.s3_multipart import abort_multipart, incomplete_keys
+from runner.storage.s3_parts import UPLOAD_PART_EVENT, PartChecksums, PartDigests
 from runner.storage.s3_transfer import Moved, Progress, TransferSettings
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class S3Storage:
         # never holds credentials: make_client drops any user:password@ part
         self.endpoint: str = self._client.meta.endpoint_url
         self._upload_check = UploadCheck(self.endpoint)
+        self._part_checksums = PartChecksums()
+        self._client.meta.events.register(UPLOAD_PART_EVENT, self._part_checksums.supply)
         # one long-lived manager (per lane) for every put_file / get_file; see close()
         self.transfers = Transfers(self._client, self.settings.transfer_config())
         self._conditional_puts = True
@@ -181,15 +184,15 @@ class S3Storage:
         full_key = self._full(key)
         size = Path(src).stat().st_size
         moved = Moved()
-        with ThreadPoolExecutor(1, "upload-checksum") as pool:
-            # the local hash pass overlaps the transfer; it is checked before verifying
-            checksum = (
-                pool.submit(
-                    expected_checksum, src, size=size, sha256=sha256, settings=self.settings
-                )
-                if sha256
-                else None
-            )
+        with (
+            ThreadPoolExecutor(1, "upload-checksum") as pool,
+            self._part_checksums.track(self.bucket, full_key) as parts,
+        ):
+            # the local hash pass overlaps the transfer (and hands it each part's digest);
+            # it is checked before verifying
+            checksum = pool.submit(self._hash_pass, src, size, sha256, parts) if sha256 else None
+            if checksum is None:
+                parts.end()  # nothing hashes the parts: botocore does
 
             def upload() -> None:
                 started = datetime.now(UTC)
@@ -204,11 +207,17 @@ class S3Storage:
                             subscribers=subscribers,
                         )
                     )
-                except BaseException:
+                except BaseException as exc:
                     if size >= self.settings.multipart_threshold:
                         abort_multipart(
                             self._client, bucket=self.bucket, full_key=full_key, since=started
                         )
+                    # a file that changed under the hash pass gets its parts refused as
+                    # BadDigest (retryable); the pass's IntegrityError says what is wrong
+                    if checksum is not None and isinstance(exc, Exception):
+                        local = checksum.exception()
+                        if isinstance(local, IntegrityError):
+                            raise local from exc
                     raise
                 expected = checksum.result() if checksum is not None else None
                 self._verify_upload(key, size=size, expected=expected)
@@ -221,6 +230,14 @@ class S3Storage:
                 with contextlib.suppress(Exception):
                     self._client.delete_object(Bucket=self.bucket, Key=full_key)
                 raise
+
+    def _hash_pass(self, src: Path, size: int, sha256: str, parts: PartDigests) -> str:
+        try:
+            return expected_checksum(
+                src, size=size, sha256=sha256, settings=self.settings, on_part=parts.add
+            )
+        finally:
+            parts.end()  # a part still waiting for its digest goes on without one
 
     def _verify_upload(self, key: str, *, size: int, expected: str | None) -> None:
         head = self._client.head_object(

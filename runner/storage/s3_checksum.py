@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,19 @@ from runner.storage.s3_transfer import TransferSettings
 log = logging.getLogger("runner.storage.s3")
 
 
-def expected_checksum(src: Path, *, size: int, sha256: str, settings: TransferSettings) -> str:
+def expected_checksum(
+    src: Path,
+    *,
+    size: int,
+    sha256: str,
+    settings: TransferSettings,
+    on_part: Callable[[int, bytes], None] | None = None,
+) -> str:
     """Check the file still has the manifest's sha256 and return the SHA-256 checksum
     the server should report: the full digest for one PUT, the composite of part
     digests ("<b64>-<parts>") for a multipart upload. One read of the file; the part
-    digests are computed on a second core (hashlib releases the GIL)."""
+    digests are computed on a second core (hashlib releases the GIL), each handed to
+    `on_part(length, digest)` as soon as it is known (runner.storage.s3_parts)."""
     multipart = size >= settings.multipart_threshold
     part_size = ChunksizeAdjuster().adjust_chunksize(settings.part_size, size)
     full = hashlib.sha256()
@@ -48,6 +56,8 @@ def expected_checksum(src: Path, *, size: int, sha256: str, settings: TransferSe
             if not multipart or remaining == part_size:
                 break
             parts.append(part.digest())
+            if on_part is not None:
+                on_part(part_size - remaining, parts[-1])
     if full.hexdigest() != sha256:
         raise IntegrityError(
             f"{src} no longer matches its manifest (sha256 {full.hexdigest()[:12]}... "
