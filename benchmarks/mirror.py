@@ -12,12 +12,15 @@ v; random bytes, so nothing compresses) is moved four ways:
             boto3    client.download_file with the default TransferConfig (no verification)
             boto3+   the same, then fsync and a sha256 pass: the runner's guarantees done naively
 
-Then the time to make a final checkpoint durable: `Mirror.upload_now` of the same checkpoint,
-and, when `runner demo` exists, SIGTERM to exit of a demo run with `--mirror` (exit 75 only
-after the final checkpoint is in the bucket).
+Then the time to make a final checkpoint durable: `Mirror.upload_now` of the same checkpoint
+(each round), the same on --nodes processes at once, each with a checkpoint of its own (the
+final uploads of several nodes to one bucket; here they share the machine's cores with each
+other and with the store), and, when `runner demo` exists, SIGTERM to exit of a demo run with
+`--mirror` (exit 75 only after the final checkpoint is in the bucket).
 
-Usage: python benchmarks/mirror.py [--size-mb 1440] [--repeat 1] [--dir PATH]
-Ratios > 1 mean the runner is faster than boto3's default (throughput ratio).
+Usage: python benchmarks/mirror.py [--size-mb 1440] [--repeat 1] [--nodes 2] [--dir PATH]
+Ratios > 1 mean the runner is faster than boto3's default (throughput ratio); times are the
+median of the rounds with their range.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import multiprocessing
 import os
+import queue
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,6 +89,64 @@ def boto3_verified_download(client: object, bucket: str, key: str, dst: Path) ->
     sha256_file(dst)
 
 
+def spread(values: list[float]) -> str:
+    """Median and range of a figure's rounds."""
+    low, high = min(values), max(values)
+    return f"{statistics.median(values):.2f}s ({low:.2f}-{high:.2f}, {len(values)} rounds)"
+
+
+def final_upload(storage: S3Storage, ckpt: CommittedCheckpoint, writer_id: str) -> float:
+    """Seconds for `Mirror.upload_now` of ckpt (a stop's final upload, under its deadline);
+    the step is removed again afterwards so that the next round finds it free."""
+    mirror = Mirror(storage, keep=2, writer_id=writer_id)
+    started = time.perf_counter()
+    landed = mirror.upload_now(ckpt, deadline=time.monotonic() + 600)
+    elapsed = time.perf_counter() - started
+    mirror.close()
+    if not landed:
+        raise SystemExit(f"{writer_id}: the final upload did not land")
+    for info in list(storage.list("checkpoints/")):
+        storage.delete(info.key)
+    return elapsed
+
+
+def node(index: int, uri: str, env: dict[str, str], workdir: str, size: int, start: object,
+         results: object) -> None:  # fmt: skip
+    """One node of the several-node figure: its own checkpoint, then its final upload once
+    every node is ready (start: a multiprocessing Barrier; results: a Queue)."""
+    os.environ.update(env)
+    ckpt = make_checkpoint(Path(workdir) / f"node{index}", size)
+    storage = S3Storage.from_uri(f"{uri}/node{index}")
+    start.wait()  # type: ignore[attr-defined]
+    results.put(final_upload(storage, ckpt, f"node-{index}"))  # type: ignore[attr-defined]
+
+
+def nodes_at_once(count: int, uri: str, env: dict[str, str], workdir: Path, size: int) -> float:
+    """Seconds until the last of `count` nodes' final uploads has landed (all started at once)."""
+    spawn = multiprocessing.get_context("spawn")
+    start, results = spawn.Barrier(count), spawn.Queue()
+    procs = [
+        spawn.Process(target=node, args=(i, uri, env, str(workdir), size, start, results))
+        for i in range(count)
+    ]
+    for proc in procs:
+        proc.start()
+    times: list[float] = []
+    try:
+        while len(times) < count:
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                raise SystemExit(f"a node of the {count}-node upload failed")
+            with contextlib.suppress(queue.Empty):
+                times.append(results.get(timeout=1.0))
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return max(times)
+
+
 def timed(func: Callable[[], object]) -> float:
     started = time.perf_counter()
     func()
@@ -124,7 +188,8 @@ def demo_sigterm_to_durable(server: SeaweedS3, workdir: Path) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=1440)
-    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every figure")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes of the several-node upload")
     parser.add_argument("--dir", type=Path, default=None, help="scratch space (default: /tmp)")
     args = parser.parse_args()
     size = args.size_mb * MB
@@ -177,7 +242,7 @@ def main() -> None:
                 for info in list(storage.list("checkpoints/")):
                     storage.delete(info.key)
 
-        print(f"\n{'':24} {'seconds':>8} {'MB/s':>8}")
+        print(f"\n{'':24} {'best s':>8} {'MB/s':>8}  median and range")
         for label, key in (
             ("upload   boto3 default", "up_b"),
             ("upload   runner", "up_r"),
@@ -186,23 +251,37 @@ def main() -> None:
             ("download runner", "down_r"),
         ):
             best = min(results[key])
-            print(f"{label:24} {best:8.2f} {size / MB / best:8.1f}")
-        up = min(results["up_b"]) / min(results["up_r"])
-        down = min(results["down_b"]) / min(results["down_r"])
-        print(f"\nratio upload   runner / boto3 default: {up:.2f}x (runner also verifies)")
-        down_v = min(results["down_bv"]) / min(results["down_r"])
-        print(f"ratio download runner / boto3 default: {down:.2f}x (runner also verifies)")
-        print(f"ratio download runner / boto3 + fsync + sha256: {down_v:.2f}x (same guarantees)")
+            print(f"{label:24} {best:8.2f} {size / MB / best:8.1f}  {spread(results[key])}")
+
+        def ratio(baseline: str, runner: str) -> str:
+            """Throughput ratio best/best, and the median of the rounds' ratios."""
+            pairs = zip(results[baseline], results[runner], strict=True)
+            rounds = statistics.median(b / r for b, r in pairs)
+            return f"{min(results[baseline]) / min(results[runner]):.2f}x (median {rounds:.2f}x)"
+
+        print(f"\nratio upload   runner / boto3 default: {ratio('up_b', 'up_r')} (runner also "
+              "verifies)")  # fmt: skip
+        print(f"ratio download runner / boto3 default: {ratio('down_b', 'down_r')} (runner "
+              "also verifies)")  # fmt: skip
+        print(f"ratio download runner / boto3 + fsync + sha256: {ratio('down_bv', 'down_r')} "
+              "(same guarantees)")  # fmt: skip
 
         # the final checkpoint of a preempted run: a fresh step, uploaded before a deadline
         for info in list(storage.list("checkpoints/")):
             storage.delete(info.key)
-        mirror = Mirror(storage, keep=2, writer_id="bench-final")
-        started = time.perf_counter()
-        landed = mirror.upload_now(ckpt, deadline=time.monotonic() + 600)
-        final = time.perf_counter() - started
-        mirror.close()
-        print(f"\nfinal checkpoint upload_now: {final:.2f}s ({'landed' if landed else 'FAILED'})")
+        final = [final_upload(storage, ckpt, "bench-final") for _ in range(args.repeat)]
+        print(f"\nfinal checkpoint upload_now: {spread(final)}")
+        shutil.rmtree(workdir / "run")  # the nodes make their own
+        several = [
+            nodes_at_once(
+                args.nodes, f"s3://{bucket}/nodes{r}", server.env(), workdir / f"nodes{r}", size
+            )
+            for r in range(args.repeat)
+        ]
+        print(
+            f"final checkpoint upload_now, {args.nodes} nodes at once ({size / MB:.0f} MB "
+            f"each), until the last landed: {spread(several)}"
+        )
         demo = demo_sigterm_to_durable(server, workdir)
         if demo is not None:
             print(

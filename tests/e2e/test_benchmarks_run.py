@@ -54,6 +54,7 @@ def test_mirror_benchmark_prints_every_ratio(tmp_path, s3_server):
         "ratio download runner / boto3 default:",
         "ratio download runner / boto3 + fsync + sha256:",
         "final checkpoint upload_now: ",
+        "final checkpoint upload_now, 2 nodes at once (2 MB each), until the last landed: ",
         "runner demo: SIGTERM to exit 75 with the final checkpoint in the bucket: ",
     ):
         assert line in out, out
