@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 
 from runner.storage.s3 import S3Storage
 from runner.storage.s3_parts import PartChecksums
-from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3
+from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3, three_part_payload
 
 PART = SMALL_PARTS.part_size
 
@@ -25,11 +24,15 @@ def _b64_sha256(data: bytes) -> str:
     return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
-def _payload(tmp_path: Path) -> tuple[Path, bytes]:
-    data = os.urandom(2 * PART + 123_457)  # three parts, the last one short
-    src = tmp_path / "payload.bin"
-    src.write_bytes(data)
-    return src, data
+def _store(s3_env: SeaweedS3) -> S3Storage:
+    return S3Storage.from_uri(f"s3://{s3_env.create_bucket()}/r", settings=SMALL_PARTS)
+
+
+def _assert_reads_back(store: S3Storage, tmp_path: Path, data: bytes) -> None:
+    got = tmp_path / "back.bin"
+    store.get_file("payload.bin", got)
+    assert got.read_bytes() == data
+    store.close()
 
 
 class _Body:
@@ -81,8 +84,8 @@ def test_a_part_without_a_known_digest_is_left_to_botocore() -> None:
 def test_each_part_carries_the_hash_pass_digest_before_botocore_hashes(
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
-    store = S3Storage.from_uri(f"s3://{s3_env.create_bucket()}/r", settings=SMALL_PARTS)
-    src, data = _payload(tmp_path)
+    store = _store(s3_env)
+    src, data = three_part_payload(tmp_path)
     given: dict[int, str | None] = {}
 
     def record(params: dict[str, Any], **_: Any) -> None:
@@ -93,18 +96,15 @@ def test_each_part_carries_the_hash_pass_digest_before_botocore_hashes(
     store._client.meta.events.register("before-call.s3.UploadPart", record)
     store.put_file("payload.bin", src, sha256=hashlib.sha256(data).hexdigest())
     assert given == {n: _b64_sha256(data[(n - 1) * PART : n * PART]) for n in (1, 2, 3)}
-    got = tmp_path / "back.bin"
-    store.get_file("payload.bin", got)
-    assert got.read_bytes() == data
-    store.close()
+    _assert_reads_back(store, tmp_path, data)
 
 
 @pytest.mark.e2e
 def test_a_part_changed_after_it_was_hashed_is_refused_by_the_server_and_resent(
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
-    store = S3Storage.from_uri(f"s3://{s3_env.create_bucket()}/r", settings=SMALL_PARTS)
-    src, data = _payload(tmp_path)
+    store = _store(s3_env)
+    src, data = three_part_payload(tmp_path)
     answers: list[tuple[int, str | None]] = []
     changed = threading.Event()
 
@@ -127,7 +127,4 @@ def test_a_part_changed_after_it_was_hashed_is_refused_by_the_server_and_resent(
     store.put_file("payload.bin", src, sha256=hashlib.sha256(data).hexdigest())
     refused = [(status, code) for status, code in answers if code is not None]
     assert refused == [(400, "BadDigest")]
-    got = tmp_path / "back.bin"
-    store.get_file("payload.bin", got)
-    assert got.read_bytes() == data
-    store.close()
+    _assert_reads_back(store, tmp_path, data)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -18,7 +17,7 @@ import pytest
 
 from runner.errors import RunnerError
 from runner.storage.s3 import S3Storage
-from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3
+from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3, three_part_payload
 
 pytestmark = pytest.mark.e2e
 
@@ -27,13 +26,6 @@ PART = SMALL_PARTS.part_size
 
 def _store(s3_env: SeaweedS3) -> S3Storage:
     return S3Storage.from_uri(f"s3://{s3_env.create_bucket()}/runs/r1", settings=SMALL_PARTS)
-
-
-def _payload(tmp_path: Path) -> tuple[Path, bytes]:
-    data = os.urandom(2 * PART + 123_457)  # three parts, the last one short
-    src = tmp_path / "payload.bin"
-    src.write_bytes(data)
-    return src, data
 
 
 def _part_number(request: Any) -> int:
@@ -49,7 +41,7 @@ def test_each_part_is_sent_unsigned_with_its_own_signed_checksum(
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
     store = _store(s3_env)
-    src, data = _payload(tmp_path)
+    src, data = three_part_payload(tmp_path)
     sent: dict[int, dict[str, str]] = {}
 
     def record(request: Any, **_: Any) -> None:
@@ -75,7 +67,7 @@ def test_fake_corrupted_part_a_body_changed_after_signing_is_refused_and_not_sto
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
     store = _store(s3_env)
-    src, data = _payload(tmp_path)
+    src, data = three_part_payload(tmp_path)
 
     def corrupt(request: Any, **_: Any) -> None:
         if _part_number(request) == 2:
