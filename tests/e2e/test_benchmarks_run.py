@@ -79,9 +79,12 @@ def test_goodput_benchmark_replays_a_trace_and_reports_each_cadence(tmp_path):
 
 
 def test_resume_benchmark_times_both_resumes_and_reports_the_ratio(tmp_path, s3_server):
-    out = _run("resume.py", "--params", "200000", "--rounds", "1", "--dir", str(tmp_path),
-               cwd=tmp_path, s3=s3_server)  # fmt: skip
+    out = _run("resume.py", "--params", "200000", "--rounds", "1", "--profile",
+               "--dir", str(tmp_path), cwd=tmp_path, s3=s3_server)  # fmt: skip
     assert "state: 20" in out and f"S3 at {s3_server.endpoint}" in out, out
     assert re.search(r"^round 1: plain \d+\.\d\d s, runner \d+\.\d\d s, ratio ", out, re.M), out
     assert "resume from the bucket: runner / plain " in out, out
+    # the restore's work runs in a worker thread: its profile shows the download
+    worker = out.split("profile of one runner resume, its worker (cumulative):")[1]
+    assert "download_checkpoint" in worker, out
     assert list(tmp_path.iterdir()) == [], "scratch files left behind"
