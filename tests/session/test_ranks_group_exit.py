@@ -7,6 +7,8 @@ process makes no group and leaves the normal exit alone."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +31,13 @@ def _worker(base: str) -> None:
     rank = RankContext(rank=r, world_size=2, local_rank=r, local_world_size=2, coordinated=True)
     group = ranks_group(rank, RunConfig(run_dir=Path(base) / "run", collective_timeout=60))
     print(json.dumps({"single": group.single, "no_teardown": exiting._native_threads.is_set()}))
+    sys.stdout.flush()
+    (Path(base) / f"done{r}").touch()
+    # rank 0's process holds the store the group was made through: it ends last, or rank 1,
+    # still finishing with the group, can find its peer gone (seen once under load: exit 1)
+    deadline = time.monotonic() + 60
+    while r == 0 and not (Path(base) / "done1").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
