@@ -89,6 +89,12 @@ def boto3_verified_download(client: object, bucket: str, key: str, dst: Path) ->
     sha256_file(dst)
 
 
+def clear_checkpoints(storage: S3Storage) -> None:
+    """Remove every step from the bench's bucket prefix, so the next upload finds it free."""
+    for info in list(storage.list("checkpoints/")):
+        storage.delete(info.key)
+
+
 def spread(values: list[float]) -> str:
     """Median and range of a figure's rounds."""
     low, high = min(values), max(values)
@@ -105,8 +111,7 @@ def final_upload(storage: S3Storage, ckpt: CommittedCheckpoint, writer_id: str) 
     mirror.close()
     if not landed:
         raise SystemExit(f"{writer_id}: the final upload did not land")
-    for info in list(storage.list("checkpoints/")):
-        storage.delete(info.key)
+    clear_checkpoints(storage)
     return elapsed
 
 
@@ -239,8 +244,7 @@ def main() -> None:
             )
             shutil.rmtree(target)
             if i + 1 < args.repeat:  # the next upload must not find the step already there
-                for info in list(storage.list("checkpoints/")):
-                    storage.delete(info.key)
+                clear_checkpoints(storage)
 
         print(f"\n{'':24} {'best s':>8} {'MB/s':>8}  median and range")
         for label, key in (
@@ -267,8 +271,7 @@ def main() -> None:
               "(same guarantees)")  # fmt: skip
 
         # the final checkpoint of a preempted run: a fresh step, uploaded before a deadline
-        for info in list(storage.list("checkpoints/")):
-            storage.delete(info.key)
+        clear_checkpoints(storage)
         final = [final_upload(storage, ckpt, "bench-final") for _ in range(args.repeat)]
         print(f"\nfinal checkpoint upload_now: {spread(final)}")
         shutil.rmtree(workdir / "run")  # the nodes make their own

@@ -15,17 +15,15 @@ import pytest
 
 from runner.storage.s3 import S3Storage
 from runner.storage.s3_parts import PartChecksums
-from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3, three_part_payload
+from tests.fixtures.s3 import (
+    SMALL_PARTS,
+    SeaweedS3,
+    b64_sha256,
+    small_parts_store,
+    three_part_payload,
+)
 
 PART = SMALL_PARTS.part_size
-
-
-def _b64_sha256(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
-
-
-def _store(s3_env: SeaweedS3) -> S3Storage:
-    return S3Storage.from_uri(f"s3://{s3_env.create_bucket()}/r", settings=SMALL_PARTS)
 
 
 def _assert_reads_back(store: S3Storage, tmp_path: Path, data: bytes) -> None:
@@ -84,7 +82,7 @@ def test_a_part_without_a_known_digest_is_left_to_botocore() -> None:
 def test_each_part_carries_the_hash_pass_digest_before_botocore_hashes(
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
-    store = _store(s3_env)
+    store = small_parts_store(s3_env)
     src, data = three_part_payload(tmp_path)
     given: dict[int, str | None] = {}
 
@@ -95,7 +93,7 @@ def test_each_part_carries_the_hash_pass_digest_before_botocore_hashes(
 
     store._client.meta.events.register("before-call.s3.UploadPart", record)
     store.put_file("payload.bin", src, sha256=hashlib.sha256(data).hexdigest())
-    assert given == {n: _b64_sha256(data[(n - 1) * PART : n * PART]) for n in (1, 2, 3)}
+    assert given == {n: b64_sha256(data[(n - 1) * PART : n * PART]) for n in (1, 2, 3)}
     _assert_reads_back(store, tmp_path, data)
 
 
@@ -103,7 +101,7 @@ def test_each_part_carries_the_hash_pass_digest_before_botocore_hashes(
 def test_a_part_changed_after_it_was_hashed_is_refused_by_the_server_and_resent(
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
-    store = _store(s3_env)
+    store = small_parts_store(s3_env)
     src, data = three_part_payload(tmp_path)
     answers: list[tuple[int, str | None]] = []
     changed = threading.Event()

@@ -7,7 +7,6 @@ is injected through botocore's before-send event)."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,17 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from runner.errors import RunnerError
-from runner.storage.s3 import S3Storage
-from tests.fixtures.s3 import SMALL_PARTS, SeaweedS3, three_part_payload
+from tests.fixtures.s3 import (
+    SMALL_PARTS,
+    SeaweedS3,
+    b64_sha256,
+    small_parts_store,
+    three_part_payload,
+)
 
 pytestmark = pytest.mark.e2e
 
 PART = SMALL_PARTS.part_size
-
-
-def _store(s3_env: SeaweedS3) -> S3Storage:
-    return S3Storage.from_uri(f"s3://{s3_env.create_bucket()}/runs/r1", settings=SMALL_PARTS)
 
 
 def _part_number(request: Any) -> int:
@@ -33,14 +33,10 @@ def _part_number(request: Any) -> int:
     return int(parse_qs(urlsplit(request.url).query)["partNumber"][0])
 
 
-def _b64_sha256(data: bytes) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
-
-
 def test_each_part_is_sent_unsigned_with_its_own_signed_checksum(
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
-    store = _store(s3_env)
+    store = small_parts_store(s3_env)
     src, data = three_part_payload(tmp_path)
     sent: dict[int, dict[str, str]] = {}
 
@@ -54,7 +50,7 @@ def test_each_part_is_sent_unsigned_with_its_own_signed_checksum(
     for number, headers in sent.items():
         part = data[(number - 1) * PART : number * PART]
         assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
-        assert headers["x-amz-checksum-sha256"] == _b64_sha256(part)
+        assert headers["x-amz-checksum-sha256"] == b64_sha256(part)
         signed = headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
         assert "x-amz-checksum-sha256" in signed, signed
     got = tmp_path / "back.bin"
@@ -66,7 +62,7 @@ def test_each_part_is_sent_unsigned_with_its_own_signed_checksum(
 def test_fake_corrupted_part_a_body_changed_after_signing_is_refused_and_not_stored(
     s3_env: SeaweedS3, tmp_path: Path
 ) -> None:
-    store = _store(s3_env)
+    store = small_parts_store(s3_env)
     src, data = three_part_payload(tmp_path)
 
     def corrupt(request: Any, **_: Any) -> None:
