@@ -14,10 +14,13 @@ three ways, each from a cold page cache for that file (posix_fadvise DONTNEED):
 
   raw        sequential read of the raw file into preallocated buffers
   torch.load torch.load(weights_only=True)
-  runner     load_state: size + sha256 of every file, torch.load(weights_only=True) beside
-             the hashing (its result used once every byte verified); again with mmap=True
-             (tensors mapped from the file being hashed), and the ablation `serial`: the
-             hashing first, then torch.load (what load_state did before)
+  runner     load_state: size + sha256 of every 64 MiB chunk (on every core), torch.load
+             (weights_only=True) beside the hashing (its result used once every byte
+             verified); again with mmap=True (tensors mapped from the file being hashed), and
+             the ablations `serial` (the hashing first, then torch.load) and `whole` (the same
+             payload under a manifest without chunk digests: one sha256 per file, one core)
+
+plus verify_dir alone with and without the chunk digests, and the save without them.
 
 Usage: python benchmarks/save.py [--params 120000000] [--repeat 1] [--dir PATH]
 Ratios > 1 mean faster than the baseline (throughput ratio).
@@ -26,7 +29,9 @@ Ratios > 1 mean faster than the baseline (throughput ratio).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import json
 import os
 import shutil
 import statistics
@@ -39,6 +44,8 @@ from typing import Any
 import torch
 
 from runner.atomicity import files as atomic
+from runner.checkpoint import staging
+from runner.checkpoint.chunk_digests import CHUNK_FIELD
 from runner.checkpoint.load import load_state
 from runner.checkpoint.verify import verify_dir
 from runner.checkpoint.writer import CheckpointMeta, CheckpointWriter
@@ -126,6 +133,31 @@ def save_runner(state: dict[str, Any], ckpt_dir: Path, *, early_writeback: bool 
     return writer.write_state(state, meta=meta).path
 
 
+def save_runner_unchunked(state: dict[str, Any], ckpt_dir: Path) -> Path:
+    """The ablation: no chunk digests, only the whole-file sha256 (what the writer did before)."""
+    chunked_writer = staging.HashingFileWriter
+    staging.HashingFileWriter = functools.partial(chunked_writer, chunked=False)  # type: ignore[assignment,misc]
+    try:
+        return save_runner(state, ckpt_dir)
+    finally:
+        staging.HashingFileWriter = chunked_writer  # type: ignore[misc]
+
+
+def whole_file_copy(step_dir: Path, dest: Path) -> Path:
+    """`step_dir` as a checkpoint written before chunk digests: the same payload (hard links)
+    under a manifest without them, so it is verified by each file's sha256 alone."""
+    copy = dest / step_dir.name
+    shutil.rmtree(copy, ignore_errors=True)
+    copy.mkdir(parents=True)
+    manifest = json.loads((step_dir / "manifest.json").read_bytes())
+    manifest["extra"].pop(CHUNK_FIELD, None)
+    for entry in manifest["files"]:
+        (copy / entry["path"]).parent.mkdir(parents=True, exist_ok=True)
+        os.link(step_dir / entry["path"], copy / entry["path"])
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
 def load_raw(path: Path, buffers: list[torch.Tensor]) -> None:
     with open(path, "rb", buffering=0) as f:
         for t in buffers:
@@ -148,9 +180,10 @@ def one_round(state: dict[str, Any], base: Path, *, rotate: int) -> dict[str, fl
     rounds so that none always runs first (or right after another's writeback)."""
     raw, tsave, ckpts = base / "raw.bin", base / "torch.pt", base / "checkpoints"
     late, raw_early = base / "late" / "checkpoints", base / "raw-early.bin"
+    unchunked = base / "unchunked" / "checkpoints"
     for p in (raw, raw_early, tsave):
         p.unlink(missing_ok=True)
-    for d in (ckpts, late):
+    for d in (ckpts, late, unchunked):
         shutil.rmtree(d, ignore_errors=True)
     step_dir = ckpts / "step_000100"
     saves: list[tuple[str, Callable[[], object]]] = [
@@ -159,14 +192,7 @@ def one_round(state: dict[str, Any], base: Path, *, rotate: int) -> dict[str, fl
         ("save torch", lambda: save_torch(state, tsave)),
         ("save runner", lambda: save_runner(state, ckpts)),
         ("save runner late", lambda: save_runner(state, late, early_writeback=False)),
-    ]
-    buffers = [torch.empty_like(t) for t in tensors_of(state)]
-    loads: list[tuple[str, Path, Callable[[], object]]] = [
-        ("load raw", raw, lambda: load_raw(raw, buffers)),
-        ("load torch", tsave, lambda: torch.load(tsave, weights_only=True, map_location="cpu")),
-        ("load runner", step_dir, lambda: load_state(step_dir)),
-        ("load runner mmap", step_dir, lambda: load_state(step_dir, mmap=True)),
-        ("load runner serial", step_dir, lambda: load_serial(step_dir)),
+        ("save runner whole", lambda: save_runner_unchunked(state, unchunked)),
     ]
     seconds: dict[str, float] = {}
     for i in range(len(saves)):
@@ -175,6 +201,19 @@ def one_round(state: dict[str, Any], base: Path, *, rotate: int) -> dict[str, fl
         start = time.perf_counter()
         fn()
         seconds[name] = time.perf_counter() - start
+    whole = whole_file_copy(step_dir, base / "whole")
+    buffers = [torch.empty_like(t) for t in tensors_of(state)]
+    loads: list[tuple[str, Path, Callable[[], object]]] = [
+        ("load raw", raw, lambda: load_raw(raw, buffers)),
+        ("load torch", tsave, lambda: torch.load(tsave, weights_only=True, map_location="cpu")),
+        ("load runner", step_dir, lambda: load_state(step_dir)),
+        ("load runner mmap", step_dir, lambda: load_state(step_dir, mmap=True)),
+        ("load runner serial", step_dir, lambda: load_serial(step_dir)),
+        ("load runner whole", whole, lambda: load_state(whole)),
+        ("load whole mmap", whole, lambda: load_state(whole, mmap=True)),
+        ("verify runner", step_dir, lambda: verify_dir(step_dir)),
+        ("verify whole", whole, lambda: verify_dir(whole)),
+    ]
     for i in range(len(loads)):
         name, path, fn = loads[(i + rotate) % len(loads)]
         gc.collect()
@@ -232,6 +271,12 @@ def main() -> None:
     print(f"load: runner mmap / torch.load            {ratio('load torch', 'load runner mmap')}")
     print(f"load: runner mmap / raw read              {ratio('load raw', 'load runner mmap')}")
     print(f"load: runner / runner, hashing first      {ratio('load runner serial', 'load runner')}")
+    print(f"load: chunk digests / whole-file sha256   {ratio('load runner whole', 'load runner')}")
+    mmap_ratio = ratio("load whole mmap", "load runner mmap")
+    print(f"load mmap: chunk digests / whole-file     {mmap_ratio}")
+    print(f"verify: chunk digests / whole-file sha256 {ratio('verify whole', 'verify runner')}")
+    print(f"verify: chunk digests / raw read          {ratio('load raw', 'verify runner')}")
+    print(f"save: chunk digests / whole-file only     {ratio('save runner whole', 'save runner')}")
 
 
 if __name__ == "__main__":

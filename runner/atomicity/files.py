@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
+from runner.atomicity.chunk_hash import ChunkHasher
 from runner.atomicity.temp import temp_path
 
 CHUNK = 8 * 1024 * 1024
@@ -70,18 +71,22 @@ class HashingFileWriter:
     """A write-only binary file that computes sha256 and size as bytes go by.
 
     Use as a context manager: on success `commit()` fsyncs and renames into place; on error
-    or without commit the temp file is removed.
+    or without commit the temp file is removed. `chunked=True` also computes the sha256 of
+    every chunk (runner.atomicity.chunk_hash), beside the whole-file one: `chunk_digests`
+    after commit (None for a file of one chunk).
     """
 
-    def __init__(self, final: Path, *, parallel_hash: bool = True) -> None:
+    def __init__(self, final: Path, *, parallel_hash: bool = True, chunked: bool = False) -> None:
         self.final = final
         self.temp = temp_path(final)
         self._file: BinaryIO = open(self.temp, "xb")  # noqa: SIM115 - closed in commit/abort
         self._hash = hashlib.sha256()
+        self._chunks = ChunkHasher() if chunked else None
         self._parallel = parallel_hash
         self._pool: ThreadPoolExecutor | None = None
         self.size = 0
         self.sha256 = ""
+        self.chunk_digests: list[str] | None = None
         self._writeback_from = 0
 
     # file-like surface, enough for torch.save and shutil.copyfileobj
@@ -89,16 +94,21 @@ class HashingFileWriter:
         view = memoryview(data)
         if self._parallel and view.nbytes >= PARALLEL_HASH_MIN:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
-            # The caller may reuse its buffer once write() returns, so wait for both.
-            hashed = self._pool.submit(self._hash.update, view)
+                self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sha256")
+            # The caller may reuse its buffer once write() returns, so wait for all.
+            hashed = [self._pool.submit(self._hash.update, view)]
+            if self._chunks is not None:
+                hashed.append(self._pool.submit(self._chunks.update, view))
             try:
                 self._file.write(view)
             finally:
-                hashed.result()
+                for done in hashed:
+                    done.result()
         else:
             self._file.write(view)
             self._hash.update(view)
+            if self._chunks is not None:
+                self._chunks.update(view)
         self.size += view.nbytes
         if self.size - self._writeback_from >= WRITEBACK_EVERY:
             # A few KiB may still sit in the BufferedWriter (large writes bypass it); they
@@ -139,6 +149,8 @@ class HashingFileWriter:
         if sync_dir:
             fsync_dir(self.final.parent)
         self.sha256 = self._hash.hexdigest()
+        if self._chunks is not None:
+            self.chunk_digests = self._chunks.digests()
 
     def abort(self) -> None:
         self._stop_pool()
@@ -191,6 +203,19 @@ def hash_stream(stream: BinaryIO, chunk_size: int = CHUNK) -> tuple[int, str]:
             digest.update(chunk)
             size += len(chunk)
     return size, digest.hexdigest()
+
+
+def hash_range(stream: BinaryIO, offset: int, nbytes: int) -> tuple[int, str]:
+    """(bytes read, sha256) of `nbytes` of a seekable stream from `offset`: fewer bytes read
+    means the file ended first. One thread, one sequential read: callers hash several ranges
+    at once, each on its own stream."""
+    digest = hashlib.sha256()
+    stream.seek(offset)
+    got = 0
+    while got < nbytes and (data := stream.read(min(CHUNK, nbytes - got))):
+        digest.update(data)
+        got += len(data)
+    return got, digest.hexdigest()
 
 
 def sha256_file(path: Path) -> tuple[int, str]:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from runner.checkpoint.chunk_digests import Chunk, listed_chunks
 from runner.errors import IntegrityError, SchemaError
 
 # "3": the size-chunked layout of one process's state is named `torch-chunked` (schema 2 called
@@ -104,6 +105,11 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def chunks(self, *, source: str = "manifest.json") -> dict[str, list[Chunk]]:
+        """The chunks of each file the writer hashed in chunks (runner.checkpoint.chunk_digests);
+        checked when the manifest was, so a manifest that parsed never raises here."""
+        return listed_chunks(self.extra, {f.path: f.size for f in self.files}, source=source)
+
     @classmethod
     def from_json(cls, raw: bytes, *, source: str = "manifest.json") -> Manifest:
         """Parse, migrate to the lowest schema that expresses it (`migrate`) and validate.
@@ -167,6 +173,7 @@ class Manifest:
                 )
         self._validate_fields(source)
         self._validate_files(source)
+        self.chunks(source=source)
 
     def _validate_fields(self, source: str) -> None:
         limits = {

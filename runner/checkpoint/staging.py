@@ -11,7 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from runner.atomicity.files import HashingFileWriter, fsync_file, read_chunks, sha256_file
+from runner.atomicity import chunk_hash
+from runner.atomicity.chunk_hash import hash_file_chunks
+from runner.atomicity.files import HashingFileWriter, fsync_file, read_chunks
+from runner.checkpoint.chunk_digests import chunk_field
 from runner.checkpoint.manifest import FileEntry
 
 
@@ -21,16 +24,34 @@ class Staging:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.files: list[FileEntry] = []
+        self.chunks: dict[str, list[str]] = {}
+        """The chunk digests of each file of more than one chunk (runner.atomicity.chunk_hash),
+        by name: the manifest lists them beside `files` (`chunk_field`)."""
+        self._chunk_bytes: int | None = None
 
     @contextmanager
     def open_file(self, name: str) -> Iterator[HashingFileWriter]:
         """A hashing writer for one payload file; recorded in the manifest on success."""
         final = self.path / name
         final.parent.mkdir(parents=True, exist_ok=True)
-        with HashingFileWriter(final) as out:
+        with HashingFileWriter(final, chunked=True) as out:
             yield out
             out.commit(sync_dir=False)  # the staging dir is fsynced once, before the rename
-        self.files.append(FileEntry(path=name, size=out.size, sha256=out.sha256))
+        self._record(FileEntry(path=name, size=out.size, sha256=out.sha256), out.chunk_digests)
+
+    def chunk_field(self) -> dict[str, Any] | None:
+        """The manifest's `extra` entry for the chunk digests; None when no file has any."""
+        if self._chunk_bytes is None or not self.chunks:
+            return None
+        return chunk_field(self._chunk_bytes, self.chunks)
+
+    def _record(self, entry: FileEntry, chunks: list[str] | None) -> None:
+        self.files.append(entry)
+        if chunks is not None:
+            if self._chunk_bytes not in (None, chunk_hash.CHUNK_DIGEST_BYTES):
+                raise RuntimeError("chunk size changed while a checkpoint was staged")
+            self._chunk_bytes = chunk_hash.CHUNK_DIGEST_BYTES
+            self.chunks[entry.path] = chunks
 
     def write_torch(self, name: str, obj: Any) -> FileEntry:
         with self.open_file(name) as out:
@@ -61,9 +82,10 @@ class Staging:
         final = self.path / name
         final.parent.mkdir(parents=True, exist_ok=True)
         os.rename(src, final)
-        size, sha256 = digest or sha256_file(final)
+        # a caller's digest has no chunks: that file is verified by its sha256 alone
+        size, sha256, chunks = (*digest, None) if digest else hash_file_chunks(final)
         fsync_file(final)
-        self.files.append(FileEntry(path=name, size=size, sha256=sha256))
+        self._record(FileEntry(path=name, size=size, sha256=sha256), chunks)
         return self.files[-1]
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from runner.atomicity.files import hash_stream
+from runner.atomicity.files import hash_range, hash_stream
+from runner.checkpoint.chunk_digests import Chunk
 from runner.checkpoint.counter_check import check_payload_counters, check_remote_counters
 from runner.checkpoint.formats.dcp import rank_of_file
 from runner.checkpoint.layout import MANIFEST_NAME, checkpoint_key, parse_step_dir
@@ -208,12 +209,20 @@ def verify_dir(
         )
     check_named_step(manifest, step, source=str(step_dir / MANIFEST_NAME))
     checked = check_sizes(step_dir, manifest)
-    # one sha256 cannot be split across cores, but several files (chunks) can be hashed at once
-    workers = max(1, min(len(checked), os.cpu_count() or 1, 8))
+    chunks = manifest.chunks(source=str(step_dir / MANIFEST_NAME))
+    # one sha256 cannot be split across cores, but several files, and the chunks of a file
+    # listed with chunk digests (runner.checkpoint.chunk_digests), can be hashed at once
+    whole: list[Chunk | None] = [None]
+    checks = [(entry, chunk) for _, entry in checked for chunk in chunks.get(entry.path, whole)]
+    workers = max(1, min(len(checks), os.cpu_count() or 1, 8))
 
-    def digest(entry: FileEntry) -> str:
+    def digest(entry: FileEntry, chunk: Chunk | None) -> str:
         with open_local(step_dir, entry.path) as f:
-            size, sha256 = hash_stream(f)
+            if chunk is None:
+                size, sha256 = hash_stream(f)
+            else:
+                read, sha256 = hash_range(f, chunk.offset, chunk.size)
+                size = chunk.offset + read if read < chunk.size else entry.size
         if size != entry.size:
             raise IntegrityError(
                 f"{_where(str(step_dir), entry, manifest)}: size {size} != {entry.size} in the "
@@ -222,16 +231,22 @@ def verify_dir(
         return sha256
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-        digests = pool.map(lambda item: digest(item[1]), checked)
-        for (_, entry), sha256 in zip(checked, digests, strict=True):
-            if sha256 != entry.sha256:
+        digests = pool.map(lambda check: digest(*check), checks)
+        for (entry, chunk), sha256 in zip(checks, digests, strict=True):
+            if sha256 != (entry.sha256 if chunk is None else chunk.sha256):
                 raise IntegrityError(
-                    f"{_where(str(step_dir), entry, manifest)}: sha256 mismatch (the file is "
-                    "corrupt)"
+                    f"{_where(str(step_dir), entry, manifest)}: sha256 mismatch"
+                    f"{_in_chunk(chunk)} (the file is corrupt)"
                 )
     if counters:
         check_payload_counters(step_dir, manifest)
     return manifest
+
+
+def _in_chunk(chunk: Chunk | None) -> str:
+    if chunk is None:
+        return ""
+    return f" in chunk {chunk.index} (bytes {chunk.offset}-{chunk.offset + chunk.size - 1})"
 
 
 def check_sizes(step_dir: Path, manifest: Manifest) -> list[tuple[Path, FileEntry]]:

@@ -23,6 +23,7 @@ from runner.atomicity.files import (
 )
 from runner.atomicity.temp import is_stale_temp, is_temp_name, remove_temp
 from runner.checkpoint.aside import set_aside_local
+from runner.checkpoint.chunk_digests import CHUNK_FIELD
 from runner.checkpoint.existing import UNREADABLE, Found, LocalStep
 from runner.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from runner.checkpoint.manifest import (
@@ -202,10 +203,19 @@ class CheckpointWriter:
         return self._target.staging(step)
 
     def manifest_for(
-        self, files: list[FileEntry], *, meta: CheckpointMeta, format: str
+        self,
+        files: list[FileEntry],
+        *,
+        meta: CheckpointMeta,
+        format: str,
+        chunks: dict[str, Any] | None = None,
     ) -> Manifest:
         """The manifest of a checkpoint of `files` (this writer's run and identity), checked;
-        `commit` writes it, a multi-node commit puts it in the bucket (runner.mirror.nodes)."""
+        `commit` writes it, a multi-node commit puts it in the bucket (runner.mirror.nodes).
+        `chunks`: the chunk digests of the files hashed in chunks (`Staging.chunk_field`)."""
+        extra = dict(meta.extra)
+        if chunks is not None:
+            extra[CHUNK_FIELD] = chunks
         manifest = Manifest(
             schema=schema_for(format),  # the lowest that expresses it
             step=meta.step,
@@ -218,13 +228,15 @@ class CheckpointWriter:
             format=format,
             fingerprint=meta.fingerprint,
             files=sorted(files, key=lambda f: f.path),
-            extra=dict(meta.extra),
+            extra=extra,
         )
         manifest.validate(source=f"{self.ckpt_dir}/{step_dir_name(meta.step)}/{MANIFEST_NAME}")
         return manifest
 
     def _commit(self, stage: Staging, *, meta: CheckpointMeta, format: str) -> CommittedCheckpoint:
-        manifest = self.manifest_for(stage.files, meta=meta, format=format)
+        manifest = self.manifest_for(
+            stage.files, meta=meta, format=format, chunks=stage.chunk_field()
+        )
         final = self.ckpt_dir / step_dir_name(meta.step)
         in_place = self._finalize(stage, final, manifest)
         return CommittedCheckpoint(step=meta.step, path=final, manifest=in_place)
