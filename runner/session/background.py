@@ -6,6 +6,11 @@ mirror hand-off) and returns at once. At most one save is in flight: the checkpo
 for it before it captures the next one, and the host buffers a snapshot lives in are reused
 by the next capture, so the wait is also what keeps them consistent.
 
+Periodic saves persist at a lower scheduling priority (runner.system.priority): where the
+loop and the save compete for cores, the loop keeps them and the save takes what is idle. The
+final save (`reason` "stop" or "final": the loop waits for it, and a preempted node's grace
+period runs) persists at normal priority on a thread of its own.
+
 A save that fails in the background is never raised on the worker or lost: it is kept until
 the loop asks (`take_failure`, at its next step boundary) or waits for it (`result()` of its
 handle). Either way it is reported once. The previous checkpoint is untouched by a failure:
@@ -20,8 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from runner.checkpoint.writer import CommittedCheckpoint
 from runner.session.checkpointer import Persist, Snapshot
+from runner.system.priority import lower_this_thread
 
 log = logging.getLogger(__name__)
+
+URGENT_REASONS = ("stop", "final")
+"""Saves the loop waits for: persisted at normal priority."""
 
 
 class _InFlight:
@@ -41,9 +50,15 @@ class _InFlight:
 class BackgroundSaver:
     """Persists each snapshot on one worker thread; at most one in flight."""
 
-    def __init__(self, persist: Persist) -> None:
+    def __init__(self, persist: Persist, *, low_priority: bool = True) -> None:
         self._persist = persist
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-saver")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="runner-saver",
+            initializer=lower_this_thread if low_priority else None,
+        )
+        # started on the first final save: a niced thread cannot be made urgent again
+        self._urgent: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._current: _InFlight | None = None
         self._last: CommittedCheckpoint | None = None
@@ -53,7 +68,7 @@ class BackgroundSaver:
 
     def save(self, snapshot: Snapshot) -> _InFlight:
         self.wait_for_saving()  # the checkpointer did already; a direct caller may not have
-        future = self._pool.submit(self._persist, snapshot)
+        future = self._pool_for(snapshot).submit(self._persist, snapshot)
         pending = _InFlight(future, snapshot.step)
         with self._lock:
             replaced = self._unclaimed_failure()
@@ -61,6 +76,13 @@ class BackgroundSaver:
                 self._unreported.append(replaced)
             self._current = pending
         return pending
+
+    def _pool_for(self, snapshot: Snapshot) -> ThreadPoolExecutor:
+        if snapshot.reason not in URGENT_REASONS:
+            return self._pool
+        if self._urgent is None:
+            self._urgent = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-final")
+        return self._urgent
 
     def wait_for_saving(self) -> CommittedCheckpoint | None:
         """Block until the save in flight has ended; returns the newest committed checkpoint.
@@ -110,3 +132,5 @@ class BackgroundSaver:
             step, failure = unclaimed
             log.error("checkpoint step %d was not committed: %s", step, failure)
         self._pool.shutdown(wait=True)
+        if self._urgent is not None:
+            self._urgent.shutdown(wait=True)

@@ -79,19 +79,20 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
     )
     assert len(training["rounds"]) == CYCLES
     for one_round in (training["warmup"], *training["rounds"]):
-        assert list(one_round) == ["none", "async", "sync"]
+        assert list(one_round) == ["none", "async", "async-normal", "sync"]
         for mode, turn in one_round.items():
             assert turn["steps"] == EVERY and turn["steps_per_second"] > 0, (mode, turn)
             # a turn begins with its mode's save; none saves nothing
             assert len(turn["stall_seconds"]) == (0 if mode == "none" else 1), (mode, turn)
             assert len(turn["step_seconds"]) == EVERY, (mode, turn)
-        background_turn = one_round["async"]
-        assert isinstance(background_turn["persisted_in_turn"], bool)
-        assert 0 <= background_turn["steps_while_saving"] <= EVERY
-        # the turn's one save starts at its first step: in flight after a prefix of its steps
-        assert background_turn["persisted_in_turn"] == (
-            background_turn["steps_while_saving"] < EVERY
-        )
+        for background_turn in (one_round["async"], one_round["async-normal"]):
+            assert isinstance(background_turn["persisted_in_turn"], bool)
+            assert 0 <= background_turn["steps_while_saving"] <= EVERY
+            # the turn's one save starts at its first step: in flight after a prefix of its
+            # steps
+            assert background_turn["persisted_in_turn"] == (
+                background_turn["steps_while_saving"] < EVERY
+            )
 
     summary = results["summary"]
     for key in (
@@ -104,6 +105,7 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
         "throughput_async_over_none",
         "throughput_sync_over_none",
         "throughput_async_over_none_total",
+        "throughput_async-normal_over_none",
         "training_async_stall_seconds",
         "training_sync_first_stall_seconds",
         "steady_share_async_over_none",
@@ -137,6 +139,7 @@ def test_the_stall_benchmark_measures_and_reports_every_figure(tmp_path: Path) -
         "  sync ",
         "ratio: throughput async / none ",
         "ratio: throughput sync / none ",
+        "ratio: throughput async-normal / none ",
         "ratio: within-turn estimate async / none ",
         "ratio: within-turn estimate sync / none ",
     ):

@@ -3,6 +3,7 @@ one save in flight, every failure reported exactly once, to whoever asks first."
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from runner.checkpoint.writer import CheckpointMeta, CommittedCheckpoint
 from runner.session.background import BackgroundSaver
 from runner.session.checkpointer import Snapshot
+from runner.system.priority import BACKGROUND_NICE
 
 
 def _snapshot(step: int) -> Snapshot:
@@ -167,3 +169,38 @@ def test_fake_background_failure_that_is_not_a_write_error_ends_the_run_at_the_n
             session.step_done()
     finally:
         session.close()
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_periodic_saves_persist_at_a_lower_priority_and_the_final_save_does_not() -> None:
+    """Real threads, real nice values: a periodic save's thread and the threads it starts
+    (the writer's hashing threads) run 10 lower than the loop; a stop's or the run's final
+    save runs at the loop's own priority."""
+    seen: dict[int, tuple[int, int]] = {}
+
+    def persist(snapshot: Snapshot) -> Any:
+        helper: list[int] = []
+        started = threading.Thread(target=lambda: helper.append(_nice()))
+        started.start()
+        started.join()
+        seen[snapshot.step] = (_nice(), helper[0])
+        return f"committed {snapshot.step}"
+
+    def snapshot(step: int, reason: str) -> Snapshot:
+        snap = _snapshot(step)
+        snap.meta.extra["reason"] = reason
+        return snap
+
+    loop = _nice()
+    saver = BackgroundSaver(persist)  # type: ignore[arg-type]
+    try:
+        for step, reason in [(1, "steps"), (2, "seconds"), (3, "stop"), (4, "final")]:
+            saver.save(snapshot(step, reason)).result()
+    finally:
+        saver.close()
+    lower = min(19, loop + BACKGROUND_NICE)
+    assert seen == {1: (lower, lower), 2: (lower, lower), 3: (loop, loop), 4: (loop, loop)}
+    assert _nice() == loop  # the loop's own thread is untouched
