@@ -230,7 +230,8 @@ def verify_dir(
             )
         return sha256
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
+    try:
         digests = pool.map(lambda check: digest(*check), checks)
         for (entry, chunk), sha256 in zip(checks, digests, strict=True):
             if sha256 != (entry.sha256 if chunk is None else chunk.sha256):
@@ -238,6 +239,9 @@ def verify_dir(
                     f"{_where(str(step_dir), entry, manifest)}: sha256 mismatch"
                     f"{_in_chunk(chunk)} (the file is corrupt)"
                 )
+    finally:
+        # a refusal does not wait for the rest of a large checkpoint to be hashed
+        pool.shutdown(wait=True, cancel_futures=True)
     if counters:
         check_payload_counters(step_dir, manifest)
     return manifest

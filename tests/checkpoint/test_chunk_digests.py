@@ -255,3 +255,32 @@ def test_hash_file_chunks_gives_the_whole_and_the_chunk_digests(tmp_path: Path) 
     size, sha256, chunks = hash_file_chunks(path)
     assert (size, sha256) == (len(data), hashlib.sha256(data).hexdigest())
     assert chunks == [hashlib.sha256(s).hexdigest() for s in slices(data)]
+
+
+def test_a_refusal_does_not_wait_for_the_other_chunks_to_be_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunk 0 of a 300-chunk file is corrupt: the chunks not started yet are never read."""
+    payload = hashlib.sha256(b"big").digest() * (300 * CHUNK // 32)
+    src = tmp_path / "big.bin"
+    src.write_bytes(payload)
+    writer = CheckpointWriter(tmp_path / "run" / "checkpoints", run_id="r", writer_id="w")
+    step_dir = writer.adopt_files(
+        {"big.bin": src}, meta=meta_for(tiny_train_state()), format=FORMAT_SEED_BIN
+    ).path
+    flip(step_dir / "big.bin", 10)
+    from runner.checkpoint import verify
+
+    opened: list[str] = []
+    real_open = verify.open_local
+
+    def counting_open(where: Path, rel: str):  # type: ignore[no-untyped-def]
+        opened.append(rel)
+        return real_open(where, rel)
+
+    monkeypatch.setattr(verify, "open_local", counting_open)
+    monkeypatch.setattr(verify.os, "cpu_count", lambda: 2)
+    with pytest.raises(IntegrityError, match="in chunk 0 "):
+        verify_dir(step_dir, counters=False)
+    assert len(listed_digests(step_dir, "big.bin")) == 300
+    assert 1 <= len(opened) < 50, len(opened)
