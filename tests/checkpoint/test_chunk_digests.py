@@ -13,6 +13,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,8 @@ def test_a_refusal_does_not_wait_for_the_other_chunks_to_be_hashed(
 
     def counting_open(where: Path, rel: str):  # type: ignore[no-untyped-def]
         opened.append(rel)
+        if len(opened) > 2:
+            time.sleep(0.01)  # 300 chunks would take 3 s: the refusal must not wait for them
         return real_open(where, rel)
 
     monkeypatch.setattr(verify, "open_local", counting_open)
@@ -283,4 +286,4 @@ def test_a_refusal_does_not_wait_for_the_other_chunks_to_be_hashed(
     with pytest.raises(IntegrityError, match="in chunk 0 "):
         verify_dir(step_dir, counters=False)
     assert len(listed_digests(step_dir, "big.bin")) == 300
-    assert 1 <= len(opened) < 50, len(opened)
+    assert 1 <= len(opened) < 100, len(opened)
